@@ -1,0 +1,128 @@
+"""cute_flash: FlashAttention written in the CuTe Python DSL.
+
+    out = cute_flash.forward(q, k, v, causal=True)            # (batch, seqlen, nheads, headdim)
+    out, lse = cute_flash.forward(q, k, v, return_lse=True)
+    out = cute_flash.attention(q, k, v, causal=True)           # differentiable
+    torch.ops.cute_flash.fwd(...)                              # the custom op underneath
+
+`cute_flash.backend_info()` (or `python -m cute_flash.info`) says which backend runs and why.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import api, ops  # noqa: F401  (ops registers torch.ops.cute_flash.*)
+
+__version__ = "0.1.0"
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    page_table: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+    check: Optional[bool] = None,
+):
+    """Attention forward: softmax(q kᵀ · softmax_scale) v, per head, with the options of the README.
+
+    q (batch, seqlen_q, nheads, headdim) and k, v (batch, seqlen_k, nheads_k, headdim[_v]), or
+    packed (total, nheads, headdim) with `cu_seqlens_q/k`, or a paged cache
+    (num_pages, page_size, nheads_k, headdim) with `page_table`. Returns out (like q, head dim
+    of v), and with `return_lse` also the float32 log-sum-exp, (batch, nheads, seqlen_q) or
+    (nheads, total_q). `check=True` (or CUTE_FLASH_CHECK=1) also checks the *values* of index
+    tensors on the GPU, which synchronizes the stream.
+    """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__} {return_lse!r}")
+    common = _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, seqused_k, page_table, num_splits, backend, check, out)
+    if out is None:
+        o, lse = torch.ops.cute_flash.fwd(q, k, v, *common[:11], False, backend, check)
+    else:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError("out= is for inference; use cute_flash.attention for gradients (or torch.no_grad())")
+        lse = torch.ops.cute_flash.fwd_out(q, k, v, out, *common[:11], backend, check)
+        o = out
+    return (o, lse) if return_lse else o
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    backend: Optional[str] = None,
+    check: Optional[bool] = None,
+):
+    """Differentiable attention (the arguments of `forward`, without the inference-only ones:
+    `page_table`, `num_splits` and `out`). `deterministic=True` makes gradients bitwise
+    reproducible. A gradient flowing into the returned LSE is honoured."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__} {return_lse!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__} {deterministic!r}")
+    common = _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, seqused_k, None, 0, backend, check, None)
+    o, lse = torch.ops.cute_flash.fwd(q, k, v, *common[:11], deterministic, backend, check)
+    return (o, lse) if return_lse else o
+
+
+def _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, seqused_k, page_table, num_splits, backend, check, out):
+    """Validate eagerly (the op validates again when it runs: calls made through
+    torch.ops.cute_flash.* directly, or traced by torch.compile, are checked there)."""
+    if check is not None and not isinstance(check, bool):
+        raise TypeError(f"check must be a bool or None; got {type(check).__name__} {check!r}")
+    if not torch.compiler.is_compiling():
+        api.validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, page_table=page_table, num_splits=num_splits,
+                     out=out, backend=backend, check=check)
+    return (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal,
+            None if softmax_scale is None else float(softmax_scale), list(window_size), float(softcap),
+            max_seqlen_q, max_seqlen_k, num_splits)
+
+
+def backend_info() -> dict:
+    """The default backend and why, versions, the GPU, and the per-backend feature matrix."""
+    from .info import backend_info as _backend_info
+
+    return _backend_info()
+
+
+def warmup(*args, **kwargs):
+    """Compile kernel configurations ahead of time (see `cute_flash.backends.cute.warmup`)."""
+    from .backends.cute import warmup as _warmup
+
+    return _warmup(*args, **kwargs)
+
+
+__all__ = ["forward", "attention", "backend_info", "warmup", "__version__"]

@@ -1,0 +1,169 @@
+"""torch.library custom ops: `cute_flash::fwd`, `cute_flash::fwd_out`, `cute_flash::bwd`.
+
+The ops are what `torch.compile` and `torch.export` see: opaque calls with fake (shape-only)
+implementations. Their real implementations validate the arguments (`api.validate`) and run the
+chosen backend, so a call through `torch.ops.cute_flash.*` is checked exactly like one through
+`cute_flash.forward`. `fwd` carries its autograd formula, which calls `bwd`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import api
+
+
+def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
+              softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check, out=None) -> api.Call:
+    return api.validate(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size), softcap=softcap,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        seqused_k=seqused_k, page_table=page_table, num_splits=num_splits, out=out, backend=backend, check=check,
+    )
+
+
+def _run_fwd(call: api.Call, q, k, v, out: torch.Tensor) -> torch.Tensor:
+    lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return lse.fill_(float("-inf"))
+    call.backend.fwd(q, k, v, out, lse, call.args)
+    return lse
+
+
+def _lse_shape(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]):
+    if cu_seqlens_q is not None:
+        return (q.shape[-2], q.shape[0])
+    return (q.shape[0], q.shape[-2], q.shape[1])
+
+
+@torch.library.custom_op("cute_flash::fwd", mutates_args=())
+def fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
+    page_table: Optional[torch.Tensor],
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_size: list[int],
+    softcap: float,
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    num_splits: int,
+    deterministic: bool,
+    backend: Optional[str],
+    check: Optional[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward; returns (out, lse). `deterministic` is kept for the backward."""
+    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
+                     softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check)
+    out = torch.empty(call.out_shape, dtype=q.dtype, device=q.device)
+    return out, _run_fwd(call, q, k, v, out)
+
+
+@fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size, softcap,
+      max_seqlen_q, max_seqlen_k, num_splits, deterministic, backend, check):
+    out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
+    return out, q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cute_flash::fwd_out", mutates_args=("out",))
+def fwd_out(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
+    page_table: Optional[torch.Tensor],
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_size: list[int],
+    softcap: float,
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    num_splits: int,
+    backend: Optional[str],
+    check: Optional[bool],
+) -> torch.Tensor:
+    """Attention forward into a caller-provided `out` (inference, CUDA graphs); returns lse."""
+    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
+                     softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check, out=out)
+    return _run_fwd(call, q, k, v, out)
+
+
+@fwd_out.register_fake
+def _(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size, softcap,
+      max_seqlen_q, max_seqlen_k, num_splits, backend, check):
+    return q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cute_flash::bwd", mutates_args=())
+def bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_size: list[int],
+    softcap: float,
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    deterministic: bool,
+    backend: Optional[str],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward; returns (dq, dk, dv). A gradient of the LSE (dlse) is honoured."""
+    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, causal, softmax_scale, window_size,
+                     softcap, max_seqlen_q, max_seqlen_k, 1, backend, False)
+    api.validate_backward(call)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    call.backend.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, call.args, deterministic)
+    return dq, dk, dv
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, causal, softmax_scale, window_size,
+      softcap, max_seqlen_q, max_seqlen_k, deterministic, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_FWD_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table", "causal", "softmax_scale", "window_size",
+             "softcap", "max_seqlen_q", "max_seqlen_k", "num_splits", "deterministic", "backend", "check")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    ctx.params = dict(zip(_FWD_ARGS, inputs[3:]))
+    if ctx.params["page_table"] is not None:
+        ctx.params["paged"] = True
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, ctx.params["cu_seqlens_q"], ctx.params["cu_seqlens_k"],
+                          ctx.params["seqused_k"])
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
+    p = ctx.params
+    if p.get("paged"):
+        raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
+    dq, dk, dv = torch.ops.cute_flash.bwd(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, p["causal"], p["softmax_scale"],
+        p["window_size"], p["softcap"], p["max_seqlen_q"], p["max_seqlen_k"], p["deterministic"], p["backend"],
+    )
+    return (dq, dk, dv) + (None,) * len(_FWD_ARGS)
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,26 @@
+import os
+import tempfile
+
+import pytest
+import torch
+
+# The DSL caches compiled kernels on disk; keep test runs from writing to a shared folder.
+os.environ.setdefault("CUTE_DSL_CACHE_DIR", tempfile.mkdtemp(prefix="cute_dsl_cache_"))
+os.environ.setdefault("CUTE_FLASH_CACHE_DIR", tempfile.mkdtemp(prefix="cute_flash_cache_"))
+
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis is in the test extra
+    pass
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

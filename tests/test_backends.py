@@ -1,0 +1,117 @@
+"""The backend chosen at import, the override, the placeholders, info and the demo."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import backends
+
+
+@pytest.fixture
+def platform(monkeypatch):
+    """Pretend to be on another platform: (hip version, cuda available, capability)."""
+
+    def set_platform(hip=None, cuda=False, capability=(0, 0)):
+        monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+        monkeypatch.delenv("CUTE_FLASH_BACKEND", raising=False)
+
+    return set_platform
+
+
+def test_no_gpu_chooses_reference(platform):
+    platform()
+    assert backends._choose().name == "reference"
+
+
+def test_rocm_chooses_triton(platform):
+    platform(hip="6.2.0", cuda=True)
+    choice = backends._choose()
+    assert choice.name == "triton" and "ROCm" in choice.reason
+
+
+def test_sm80_chooses_cute_sm80(platform):
+    platform(cuda=True, capability=(8, 0))
+    assert backends._choose().name == "cute-sm80"
+
+
+def test_sm86_chooses_cute_sm80(platform):
+    platform(cuda=True, capability=(8, 6))
+    assert backends._choose().name == "cute-sm80"
+
+
+def test_sm90_chooses_sm90_kernels_or_says_why_not(platform):
+    platform(cuda=True, capability=(9, 0))
+    choice = backends._choose()
+    if backends.get_backend("cute-sm90").unavailable_reason() is None:
+        assert choice.name == "cute-sm90"
+    else:
+        assert choice.name == "cute-sm80" and "not implemented" in choice.reason
+
+
+def test_pre_ampere_gpu_falls_back_to_reference(platform):
+    platform(cuda=True, capability=(7, 5))
+    choice = backends._choose()
+    assert choice.name == "reference" and "older than sm_80" in choice.reason
+
+
+def test_environment_override(platform, monkeypatch):
+    platform(cuda=True, capability=(8, 0))
+    monkeypatch.setenv("CUTE_FLASH_BACKEND", "reference")
+    choice = backends._choose()
+    assert choice.name == "reference" and "CUTE_FLASH_BACKEND" in choice.reason
+
+
+def test_environment_override_rejects_unknown_names(platform, monkeypatch):
+    platform()
+    monkeypatch.setenv("CUTE_FLASH_BACKEND", "flash2")
+    with pytest.raises(ValueError, match="CUTE_FLASH_BACKEND"):
+        backends._choose()
+
+
+def test_cpu_tensors_always_run_on_reference():
+    assert backends.resolve(None, torch.device("cpu")).name == "reference"
+    assert backends.resolve("triton", torch.device("cpu")).name == "reference"
+
+
+@pytest.mark.parametrize("name", ["cute-sm80", "cute-sm90", "triton"])
+def test_unimplemented_backends_say_what_is_missing(name):
+    backend = backends.get_backend(name)
+    reason = backend.unavailable_reason()
+    if reason is None:
+        pytest.skip(f"{name} is implemented")
+    assert "not implemented" in reason
+    with pytest.raises(NotImplementedError, match=name):
+        backend.fwd(None, None, None, None, None, None)
+
+
+def test_backend_info_reports_choice_versions_and_features():
+    info = cute_flash.backend_info()
+    assert info["backend"] in backends.BACKEND_NAMES and info["reason"]
+    assert info["versions"]["torch"] == torch.__version__
+    assert all(info["features"]["reference"].values())
+    for name, features in info["features"].items():
+        if name in info["unavailable"]:
+            assert not any(features.values()), f"{name} is unavailable but claims features"
+
+
+def test_info_module_prints_the_matrix():
+    res = subprocess.run([sys.executable, "-m", "cute_flash.info"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "backend:" in res.stdout and "paged_kv" in res.stdout and "reference" in res.stdout
+
+
+def test_demo_runs_on_the_cpu():
+    res = subprocess.run(
+        [sys.executable, "-m", "cute_flash", "--seqlen", "256", "--nheads", "2", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "backend reference" in res.stdout and "TFLOP/s" in res.stdout
+    err = float(res.stdout.split("reference(float64)| = ")[1].split()[0])
+    assert err < 1e-2

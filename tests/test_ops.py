@@ -1,0 +1,107 @@
+"""The custom ops under torch.library's checks, torch.compile and torch.export."""
+
+import pytest
+import torch
+
+import cute_flash
+from reference_math import naive_attention
+
+
+def _qkv(b=2, sq=9, sk=11, h=4, hk=2, d=16, dv=24, requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, sq, h, d, generator=g, requires_grad=requires_grad)
+    k = torch.randn(b, sk, hk, d, generator=g, requires_grad=requires_grad)
+    v = torch.randn(b, sk, hk, dv, generator=g, requires_grad=requires_grad)
+    return q, k, v
+
+
+def _fwd_args(q, k, v, causal=True, cu_q=None, cu_k=None):
+    return (q, k, v, cu_q, cu_k, None, None, causal, None, [-1, 0 if causal else -1], 0.0, None, None, 0, False, None, None)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_fwd(causal):
+    q, k, v = _qkv(requires_grad=True)
+    torch.library.opcheck(torch.ops.cute_flash.fwd.default, _fwd_args(q, k, v, causal))
+
+
+def test_opcheck_fwd_varlen():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(12, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(10, 2, 16, generator=g, requires_grad=True)
+    v = torch.randn(10, 2, 16, generator=g, requires_grad=True)
+    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32)
+    cu_k = torch.tensor([0, 3, 10], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.cute_flash.fwd.default, _fwd_args(q, k, v, True, cu_q, cu_k))
+
+
+def test_opcheck_fwd_out():
+    q, k, v = _qkv()
+    out = torch.empty(2, 9, 4, 24)
+    args = (q, k, v, out, None, None, None, None, False, 0.5, [-1, -1], 0.0, None, None, 0, None, None)
+    torch.library.opcheck(torch.ops.cute_flash.fwd_out.default, args)
+
+
+def test_opcheck_bwd():
+    q, k, v = _qkv()
+    out, lse = torch.ops.cute_flash.fwd(*_fwd_args(q, k, v))
+    dout = torch.randn_like(out)
+    args = (dout, q, k, v, out, lse, None, None, None, None, True, None, [-1, 0], 0.0, None, None, False, None)
+    torch.library.opcheck(torch.ops.cute_flash.bwd.default, args)
+
+
+class TinyAttentionModel(torch.nn.Module):
+    def __init__(self, hidden=32, nheads=4):
+        super().__init__()
+        self.nheads = nheads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.nheads, -1).unbind(2)
+        return self.proj(cute_flash.attention(q, k, v, causal=True).flatten(2))
+
+
+def test_compile_fullgraph_forward_and_backward_match_eager():
+    torch.manual_seed(0)
+    model = TinyAttentionModel()
+    x = torch.randn(2, 13, 32)
+    eager = model(x)
+    eager.square().sum().backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got = compiled(x)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, eager)
+    for p, g in zip(model.parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_compile_inductor_fullgraph():
+    torch.manual_seed(0)
+    q, k, v = _qkv(requires_grad=True)
+    fn = torch.compile(lambda q, k, v: cute_flash.attention(q, k, v, causal=True).sum(), fullgraph=True)
+    fn(q, k, v).backward()
+    ref, _ = naive_attention(q.detach(), k.detach(), v.detach(), 0.25, -1, 0)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    naive_attention(q2, k2, v2, 0.25, -1, 0)[0].sum().backward()
+    for got, want in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_export_module_calling_attention():
+    model = TinyAttentionModel().eval()
+    x = torch.randn(2, 13, 32)
+    exported = torch.export.export(model, (x,))
+    assert any("cute_flash" in str(n.target) for n in exported.graph.nodes)
+    torch.testing.assert_close(exported.module()(x), model(x))
+
+
+def test_lse_gradient_flows():
+    q, k, v = _qkv(requires_grad=True)
+    _, lse = cute_flash.attention(q, k, v, return_lse=True)
+    lse.sum().backward()
+    # d lse / d v = 0 (lse does not depend on v); d lse / d q != 0.
+    assert torch.all(v.grad == 0) and q.grad.abs().sum() > 0
