@@ -48,16 +48,21 @@ def main(argv=None) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (a.batch, a.seqlen, a.nheads, a.headdim)
     q, k, v = (torch.randn(shape, generator=gen, device=device, dtype=dtype) for _ in range(3))
-    backend = info["backend"] if cuda else "reference"
-    print(f"cute_flash {cute_flash.__version__}: backend {backend} ({info['reason']})")
+    backend, reason = info["backend"], info["reason"]
+    if not cuda:
+        backend = "reference"
+    elif backend in info["unavailable"]:
+        reason = f"the default, {backend}, is unavailable: {info['unavailable'][backend]}"
+        backend = "reference"
+    print(f"cute_flash {cute_flash.__version__}: backend {backend} ({reason})")
     print(f"shape (batch, seqlen, nheads, headdim) = {shape}, {dtype}, causal={a.causal}")
 
-    out = cute_flash.forward(q, k, v, causal=a.causal)
+    out = cute_flash.forward(q, k, v, causal=a.causal, backend=backend)
     # The float64 reference of the first sequence (the whole batch is costly on the CPU).
     ref, _ = reference_attention(q[:1], k[:1], v[:1], AttnArgs(softmax_scale=a.headdim**-0.5, causal=a.causal,
                                  window_right=0 if a.causal else -1), compute_dtype=torch.float64)
     err = (out[:1].double() - ref).abs().max().item()
-    seconds = _time(lambda: cute_flash.forward(q, k, v, causal=a.causal), a.repeats, cuda)
+    seconds = _time(lambda: cute_flash.forward(q, k, v, causal=a.causal, backend=backend), a.repeats, cuda)
     flops = 4 * a.batch * a.nheads * a.seqlen * a.seqlen * a.headdim / (2 if a.causal else 1)
     print(f"max |out - reference(float64)| = {err:.3e}")
     print(f"time {seconds * 1e3:.3f} ms, {flops / seconds / 1e12:.2f} TFLOP/s")
