@@ -20,6 +20,7 @@ import torch
 from . import backends
 from .backends.base import AttnArgs, Backend
 
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADDIM = 256
 HEADDIM_MULTIPLE = 8
 
@@ -178,132 +179,9 @@ def validate(
     left, right = check_scalars(causal, softmax_scale, window_size, softcap, max_seqlen_q, max_seqlen_k, num_splits, backend)
     check_tensor_types(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                        page_table=page_table, out=out)
-
-    # Tensors: types and dtypes.
-    float_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    _check_tensor("q", q, (3, 4), float_dtypes)
-    paged = page_table is not None
-    varlen_q = cu_seqlens_q is not None
-    varlen_k = cu_seqlens_k is not None
-    kv_rank = 4 if (paged or not varlen_k) else 3
-    _check_tensor("k", k, kv_rank)
-    _check_tensor("v", v, kv_rank)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have the dtype of q ({q.dtype}); got {t.dtype}")
-
-    # Devices.
-    device = q.device
-    named = {"k": k, "v": v, "out": out, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-             "seqused_k": seqused_k, "page_table": page_table}
-    for name, t in named.items():
-        if isinstance(t, torch.Tensor) and t.device != device:
-            raise ValueError(f"{name} must be on the device of q ({device}); got {t.device}")
-
-    chosen = backends.resolve(backend, device)
-    if device.type != "cuda" and backend not in (None, "reference"):
-        raise ValueError(f"backend {backend!r} needs CUDA tensors; q is on {device} (CPU tensors run on 'reference')")
-    if q.dtype not in chosen.dtypes:
-        raise TypeError(f"q dtype {q.dtype} is not supported by backend {chosen.name!r}; expected one of {chosen.dtypes}")
-
-    # Ranks and shapes.
-    if varlen_k and not varlen_q:
-        raise ValueError("cu_seqlens_k needs cu_seqlens_q (varlen keys with padded queries is not a mode)")
-    if varlen_k and paged:
-        raise ValueError("cu_seqlens_k and page_table exclude each other: a paged cache has per-sequence lengths in seqused_k")
-    if varlen_q and not (varlen_k or paged):
-        raise ValueError("cu_seqlens_q needs cu_seqlens_k (packed keys) or page_table (paged keys)")
-    q_rank = 3 if varlen_q else 4
-    if q.dim() != q_rank:
-        raise ValueError(
-            f"q must have {q_rank} dimensions {'(total_q, nheads, headdim) with cu_seqlens_q' if varlen_q else '(batch, seqlen_q, nheads, headdim)'}; "
-            f"got shape {tuple(q.shape)}"
-        )
-    nheads, d = q.shape[-2], q.shape[-1]
-    nheads_k, dv = k.shape[-2], v.shape[-1]
-    if k.shape[-1] != d:
-        raise ValueError(f"k head dim must equal q's ({d}); got k shape {tuple(k.shape)}")
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"v must match k in every dimension but the last; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if nheads_k == 0 or nheads % nheads_k:
-        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k}) (GQA/MQA)")
-    _check_headdim("headdim (q.shape[-1])", d, chosen)
-    _check_headdim("headdim_v (v.shape[-1])", dv, chosen)
-
-    if varlen_q:
-        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
-        batch = cu_seqlens_q.shape[0] - 1
-    else:
-        batch = q.shape[0]
-    if varlen_k:
-        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
-        if cu_seqlens_k.shape[0] != batch + 1:
-            raise ValueError(f"cu_seqlens_k must have batch + 1 = {batch + 1} entries like cu_seqlens_q; got {cu_seqlens_k.shape[0]}")
-    if paged:
-        _check_tensor("page_table", page_table, 2, (torch.int32,))
-        if page_table.shape[0] != batch:
-            raise ValueError(f"page_table must have batch = {batch} rows; got shape {tuple(page_table.shape)}")
-        if k.shape[1] < 1 or k.shape[0] < 1:
-            raise ValueError(f"a paged k must be (num_pages >= 1, page_size >= 1, nheads_k, headdim); got {tuple(k.shape)}")
-        capacity = page_table.shape[1] * k.shape[1]
-    elif varlen_k:
-        capacity = None  # per sequence
-    else:
-        if k.shape[0] != batch:
-            raise ValueError(f"k must have batch = {batch} (q.shape[0]) rows; got shape {tuple(k.shape)}")
-        capacity = k.shape[1]
-    if seqused_k is not None:
-        _check_tensor("seqused_k", seqused_k, 1, (torch.int32,))
-        if seqused_k.shape[0] != batch:
-            raise ValueError(f"seqused_k must have batch = {batch} entries; got shape {tuple(seqused_k.shape)}")
-    if (varlen_q or paged) and device.type == "cuda":
-        # The grid is sized from these; computing them would synchronize the stream.
-        if varlen_q and max_seqlen_q is None:
-            raise ValueError("max_seqlen_q is required with cu_seqlens_q on a GPU (computing it would synchronize)")
-        if (varlen_k or paged) and max_seqlen_k is None:
-            raise ValueError("max_seqlen_k is required with cu_seqlens_k or page_table on a GPU")
-
-    out_shape = tuple(q.shape[:-1]) + (dv,)
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor or None; got {_describe(out)}")
-        if tuple(out.shape) != out_shape or out.dtype != q.dtype:
-            raise ValueError(f"out must have shape {out_shape} and dtype {q.dtype}; got {_describe(out)}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t is not None:
-            _check_layout(name, t, chosen)
-
-    # Values (synchronizing for GPU tensors, hence only in checked mode there).
-    if device.type != "cuda" or checked_mode(check):
-        if varlen_q:
-            _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0]")
-            lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-            if max_seqlen_q is not None and int(lengths.max()) > max_seqlen_q:
-                raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest query sequence ({int(lengths.max())})")
-        if varlen_k:
-            _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0]")
-        key_capacity = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]) if varlen_k else None
-        if seqused_k is not None:
-            limit = key_capacity if varlen_k else torch.full_like(seqused_k, capacity)
-            bad = (seqused_k < 0) | (seqused_k > limit)
-            if bool(bad.any()):
-                b = int(bad.nonzero()[0])
-                raise ValueError(f"seqused_k[{b}] = {int(seqused_k[b])} is outside [0, {int(limit[b])}] (the keys of sequence {b})")
-        if paged:
-            used = seqused_k if seqused_k is not None else torch.full((batch,), capacity, dtype=torch.int32, device=device)
-            pages_used = (used + k.shape[1] - 1) // k.shape[1]
-            needed = torch.arange(page_table.shape[1], device=device)[None, :] < pages_used[:, None]
-            bad = needed & ((page_table < 0) | (page_table >= k.shape[0]))
-            if bool(bad.any()):
-                b, p = (int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"page_table[{b}, {p}] = {int(page_table[b, p])} is not a page of k (0 <= page < {k.shape[0]})")
-        if max_seqlen_k is not None:
-            longest = int((seqused_k if seqused_k is not None else key_capacity if varlen_k else torch.tensor([capacity])).max()) if batch else 0
-            if longest > max_seqlen_k:
-                raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is below the longest key sequence ({longest})")
-
+    _check_tensor("q", q, (3, 4), _FLOAT_DTYPES)
     args = AttnArgs(
-        softmax_scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d),
+        softmax_scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         causal=causal,
         window_left=left,
         window_right=right,
@@ -316,12 +194,138 @@ def validate(
         page_table=page_table,
         num_splits=num_splits,
     )
-    _check_features(chosen, args, q, nheads, nheads_k, d, dv)
-    lse_shape = (nheads, q.shape[0]) if varlen_q else (batch, nheads, q.shape[1])
+    chosen = _check_dtypes_and_devices(q, k, v, out, args, backend)
+    batch, capacity = _check_shapes(q, k, v, out, args, chosen)
+    if q.device.type != "cuda" or checked_mode(check):
+        _check_values(q, k, args, batch, capacity)
+    _check_features(chosen, args, q, v)
+    varlen_q = cu_seqlens_q is not None
+    lse_shape = (q.shape[-2], q.shape[0]) if varlen_q else (batch, q.shape[-2], q.shape[1])
+    out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     return Call(args=args, backend=chosen, out_shape=out_shape, lse_shape=lse_shape, batch=batch)
 
 
-def _check_features(backend: Backend, args: AttnArgs, q, nheads, nheads_k, d, dv) -> None:
+def _check_dtypes_and_devices(q, k, v, out, args: AttnArgs, backend: Optional[str]) -> Backend:
+    """Dtypes and ranks of k/v, one device for every tensor; returns the backend to run."""
+    kv_rank = 3 if (args.cu_seqlens_k is not None and args.page_table is None) else 4
+    _check_tensor("k", k, kv_rank)
+    _check_tensor("v", v, kv_rank)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}); got {t.dtype}")
+    device = q.device
+    named = {"k": k, "v": v, "out": out, "cu_seqlens_q": args.cu_seqlens_q, "cu_seqlens_k": args.cu_seqlens_k,
+             "seqused_k": args.seqused_k, "page_table": args.page_table}
+    for name, t in named.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} must be on the device of q ({device}); got {t.device}")
+    if device.type != "cuda" and backend not in (None, "reference"):
+        raise ValueError(f"backend {backend!r} needs CUDA tensors; q is on {device} (CPU tensors run on 'reference')")
+    chosen = backends.resolve(backend, device)
+    if q.dtype not in chosen.dtypes:
+        raise TypeError(f"q dtype {q.dtype} is not supported by backend {chosen.name!r}; expected one of {chosen.dtypes}")
+    return chosen
+
+
+def _check_shapes(q, k, v, out, args: AttnArgs, chosen: Backend):
+    """Shapes, the combination of modes, strides; returns (batch, keys per sequence or None)."""
+    varlen_q, varlen_k, paged = args.cu_seqlens_q is not None, args.cu_seqlens_k is not None, args.page_table is not None
+    if varlen_k and not varlen_q:
+        raise ValueError("cu_seqlens_k needs cu_seqlens_q (varlen keys with padded queries is not a mode)")
+    if varlen_k and paged:
+        raise ValueError("cu_seqlens_k and page_table exclude each other: a paged cache has per-sequence lengths in seqused_k")
+    if varlen_q and not (varlen_k or paged):
+        raise ValueError("cu_seqlens_q needs cu_seqlens_k (packed keys) or page_table (paged keys)")
+    q_rank = 3 if varlen_q else 4
+    if q.dim() != q_rank:
+        layout = "(total_q, nheads, headdim) with cu_seqlens_q" if varlen_q else "(batch, seqlen_q, nheads, headdim)"
+        raise ValueError(f"q must have {q_rank} dimensions {layout}; got shape {tuple(q.shape)}")
+    nheads, d = q.shape[-2], q.shape[-1]
+    nheads_k, dv = k.shape[-2], v.shape[-1]
+    if k.shape[-1] != d:
+        raise ValueError(f"k head dim must equal q's ({d}); got k shape {tuple(k.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"v must match k in every dimension but the last; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k}) (GQA/MQA)")
+    _check_headdim("headdim (q.shape[-1])", d, chosen)
+    _check_headdim("headdim_v (v.shape[-1])", dv, chosen)
+
+    if varlen_q:
+        _check_cu_seqlens("cu_seqlens_q", args.cu_seqlens_q)
+        batch = args.cu_seqlens_q.shape[0] - 1
+    else:
+        batch = q.shape[0]
+    capacity = None  # keys a sequence can hold; per sequence (from cu_seqlens_k) when varlen
+    if varlen_k:
+        _check_cu_seqlens("cu_seqlens_k", args.cu_seqlens_k)
+        if args.cu_seqlens_k.shape[0] != batch + 1:
+            raise ValueError(f"cu_seqlens_k must have batch + 1 = {batch + 1} entries like cu_seqlens_q; got {args.cu_seqlens_k.shape[0]}")
+    elif paged:
+        _check_tensor("page_table", args.page_table, 2, (torch.int32,))
+        if args.page_table.shape[0] != batch:
+            raise ValueError(f"page_table must have batch = {batch} rows; got shape {tuple(args.page_table.shape)}")
+        if k.shape[1] < 1 or k.shape[0] < 1:
+            raise ValueError(f"a paged k must be (num_pages >= 1, page_size >= 1, nheads_k, headdim); got {tuple(k.shape)}")
+        capacity = args.page_table.shape[1] * k.shape[1]
+    else:
+        if k.shape[0] != batch:
+            raise ValueError(f"k must have batch = {batch} (q.shape[0]) rows; got shape {tuple(k.shape)}")
+        capacity = k.shape[1]
+    if args.seqused_k is not None:
+        _check_tensor("seqused_k", args.seqused_k, 1, (torch.int32,))
+        if args.seqused_k.shape[0] != batch:
+            raise ValueError(f"seqused_k must have batch = {batch} entries; got shape {tuple(args.seqused_k.shape)}")
+    if (varlen_q or paged) and q.device.type == "cuda":
+        # The grid is sized from these; computing them would synchronize the stream.
+        if varlen_q and args.max_seqlen_q is None:
+            raise ValueError("max_seqlen_q is required with cu_seqlens_q on a GPU (computing it would synchronize)")
+        if args.max_seqlen_k is None:
+            raise ValueError("max_seqlen_k is required with cu_seqlens_k or page_table on a GPU")
+
+    out_shape = tuple(q.shape[:-1]) + (dv,)
+    if out is not None and (tuple(out.shape) != out_shape or out.dtype != q.dtype):
+        raise ValueError(f"out must have shape {out_shape} and dtype {q.dtype}; got {_describe(out)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t is not None:
+            _check_layout(name, t, chosen)
+    return batch, capacity
+
+
+def _check_values(q, k, args: AttnArgs, batch: int, capacity: Optional[int]) -> None:
+    """Checks that read index tensors (they synchronize a GPU stream)."""
+    cu_q, cu_k, seqused_k, page_table = args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k, args.page_table
+    if cu_q is not None:
+        _check_cu_seqlens_values("cu_seqlens_q", cu_q, q.shape[0], "q.shape[0]")
+        longest_q = int((cu_q[1:] - cu_q[:-1]).max())
+        if args.max_seqlen_q is not None and longest_q > args.max_seqlen_q:
+            raise ValueError(f"max_seqlen_q ({args.max_seqlen_q}) is below the longest query sequence ({longest_q})")
+    if cu_k is not None:
+        _check_cu_seqlens_values("cu_seqlens_k", cu_k, k.shape[0], "k.shape[0]")
+        keys = cu_k[1:] - cu_k[:-1]
+    else:
+        keys = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    if seqused_k is not None:
+        bad = (seqused_k < 0) | (seqused_k > keys)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0])
+            raise ValueError(f"seqused_k[{b}] = {int(seqused_k[b])} is outside [0, {int(keys[b])}] (the keys of sequence {b})")
+        keys = seqused_k
+    if page_table is not None:
+        pages_used = (keys + k.shape[1] - 1) // k.shape[1]
+        needed = torch.arange(page_table.shape[1], device=q.device)[None, :] < pages_used[:, None]
+        bad = needed & ((page_table < 0) | (page_table >= k.shape[0]))
+        if bool(bad.any()):
+            b, p = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"page_table[{b}, {p}] = {int(page_table[b, p])} is not a page of k (0 <= page < {k.shape[0]})")
+    if args.max_seqlen_k is not None and batch:
+        longest_k = int(keys.max())
+        if longest_k > args.max_seqlen_k:
+            raise ValueError(f"max_seqlen_k ({args.max_seqlen_k}) is below the longest key sequence ({longest_k})")
+
+
+def _check_features(backend: Backend, args: AttnArgs, q, v) -> None:
+    """The backend must implement every feature the call uses, or say which it lacks."""
     reason = backend.unavailable_reason()
     if reason is not None:
         raise NotImplementedError(f"backend {backend.name!r}: {reason}")
@@ -329,12 +333,12 @@ def _check_features(backend: Backend, args: AttnArgs, q, nheads, nheads_k, d, dv
         "causal": args.causal,
         "window": args.has_window and not (args.causal and args.window_left < 0),
         "softcap": args.softcap > 0,
-        "gqa": nheads != nheads_k,
+        "gqa": q.shape[-2] != v.shape[-2],
         "varlen": args.cu_seqlens_q is not None,
         "seqused_k": args.seqused_k is not None,
         "paged_kv": args.page_table is not None,
         "split_kv": args.num_splits > 1,
-        "headdim_v": d != dv,
+        "headdim_v": q.shape[-1] != v.shape[-1],
         "fp32": q.dtype in (torch.float32, torch.float64),
     }
     missing = [f for f, on in wanted.items() if on and f not in backend.features]
