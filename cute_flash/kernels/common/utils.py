@@ -1,0 +1,142 @@
+"""Small device helpers shared by the sm80 and sm90 kernels (trace time only).
+
+The transcendental helpers are inline PTX on purpose: `ex2.approx.ftz.f32` maps -inf to +0,
+which is what masking relies on, and keeping them out of LLVM's fast-math world means the
+compiler cannot assume "no infinities" and fold the -inf guards of the softmax away.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+def _unary_asm(ptx: str, x, loc=None, ip=None) -> Float32:
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            ptx,
+            "=f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def exp2f(x, *, loc=None, ip=None) -> Float32:
+    """2**x with MUFU.EX2; exp2f(-inf) == 0."""
+    return _unary_asm("ex2.approx.ftz.f32 $0, $1;", x, loc, ip)
+
+
+@dsl_user_op
+def log2f(x, *, loc=None, ip=None) -> Float32:
+    """log2(x) with MUFU.LG2; only used once per row, on a positive sum."""
+    return _unary_asm("lg2.approx.ftz.f32 $0, $1;", x, loc, ip)
+
+
+@dsl_user_op
+def tanhf(x, *, loc=None, ip=None) -> Float32:
+    """tanh with MUFU.TANH (sm_75+), for score soft-capping."""
+    return _unary_asm("tanh.approx.f32 $0, $1;", x, loc, ip)
+
+
+def quad_allreduce(val: Float32, op) -> Float32:
+    """Reduce over the 4 lanes that hold one accumulator row of an m16n8 MMA tile.
+
+    In the mma.sync C fragment a row is split over lanes 4g..4g+3, so two butterfly shuffles
+    (xor 2, xor 1) leave every lane of the quad with the row's reduction.
+    """
+    for offset in (2, 1):
+        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=offset))
+    return val
+
+
+def fmax(a, b):
+    return cute.arch.fmax(a, b)
+
+
+def fadd(a, b):
+    return a + b
+
+
+def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """View an mma.sync accumulator ((2, 2), MMA_M, MMA_N) as (rows, cols) of this thread.
+
+    In the C fragment of m16n8k16 the inner mode (2, 2) is (column pair, row half): values 0,1
+    sit in one row at adjacent columns, values 2,3 eight rows below. Grouping the row-half with
+    MMA_M and the column pair with MMA_N gives ((2, MMA_M), (2, MMA_N)).
+    """
+    shape, stride = acc.layout.shape, acc.layout.stride
+    mn = cute.make_layout(
+        ((shape[0][1], shape[1]), (shape[0][0], shape[2])),
+        stride=((stride[0][1], stride[1]), (stride[0][0], stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, mn)
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """Reinterpret a C fragment ((2, 2), MMA_M, MMA_N) as an A fragment ((2, 2, 2), MMA_M, MMA_N/2).
+
+    Two neighbouring n8 accumulator tiles hold exactly the 16 columns one k16 A fragment needs,
+    in the same register order (a0..a3 from the first n8 tile, a4..a7 from the second), so P
+    feeds the P·V MMA straight from registers.
+    """
+    div = cute.logical_divide(acc.layout, (None, None, 2))
+    shape, stride = div.shape, div.stride
+    frg_a = cute.make_layout(
+        ((shape[0], shape[2][0]), shape[1], shape[2][1]),
+        stride=((stride[0], stride[2][0]), stride[1], stride[2][1]),
+    )
+    return cute.make_tensor(acc.iterator, frg_a)
+
+
+def make_g2s_copy(dtype, num_threads: int, atom_cols: int) -> cute.TiledCopy:
+    """cp.async tiled copy, 128 bits per thread, rows of `atom_cols` elements per thread row.
+
+    The thread rows match the swizzle atom's width so that one pass of the CTA writes whole
+    128-byte swizzle lines.
+    """
+    vec = 128 // dtype.width
+    atom = cute.make_copy_atom(
+        cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+        dtype,
+        num_bits_per_copy=128,
+    )
+    threads_per_row = atom_cols // vec
+    thr_layout = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
+    return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
+
+
+def make_s2g_copy(dtype, num_threads: int, atom_cols: int) -> cute.TiledCopy:
+    """128-bit register -> global tiled copy with the same thread arrangement as `make_g2s_copy`."""
+    vec = 128 // dtype.width
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    threads_per_row = atom_cols // vec
+    thr_layout = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
+    return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
+
+
+def col_predicate(tXcX: cute.Tensor, limit) -> cute.Tensor:
+    """Per-(vector, k-chunk) column predicates of a copy partition ((V, v), M, K), shared by all rows."""
+    pred = cute.make_rmem_tensor(
+        cute.make_layout(
+            (tXcX.shape[0][1], cute.size(tXcX, mode=[1]), cute.size(tXcX, mode=[2])),
+            stride=(cute.size(tXcX, mode=[2]), 0, 1),
+        ),
+        cutlass.Boolean,
+    )
+    for v in range(pred.shape[0]):
+        for k in range(pred.shape[2]):
+            pred[v, 0, k] = cute.elem_less(tXcX[(0, v), 0, k][1], limit)
+    return pred
