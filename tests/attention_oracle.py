@@ -1,0 +1,55 @@
+"""The tolerance rule of DESIGN.md, applied to a backend's forward outputs and gradients.
+
+    max|x - ref| <= 2 * max|x_torch - ref| + atol
+
+`ref` is the reference backend in float64 (the oracle) and `x_torch` the same computation by
+the reference code in the input dtype: the error that plain PyTorch makes at that precision.
+The LSE is float32 from fp32 scores whatever the input dtype, so it gets a fixed, tight bound.
+Every check first rejects NaN, so an output that was poisoned and never written fails.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cute_flash.backends.base import AttnArgs
+from cute_flash.backends.reference import reference_attention, reference_attention_backward
+
+ATOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 1e-5}
+
+
+def assert_within_rule(name: str, x: torch.Tensor, ref: torch.Tensor, ref_torch: torch.Tensor) -> None:
+    assert not x.isnan().any(), f"{name}: {int(x.isnan().sum())} NaN (unwritten or read out of bounds)"
+    err = (x.double() - ref.double()).abs().max().item() if x.numel() else 0.0
+    err_torch = (ref_torch.double() - ref.double()).abs().max().item() if x.numel() else 0.0
+    bound = 2 * err_torch + ATOL[x.dtype]
+    assert err <= bound, f"{name}: max|x - ref| = {err:.3e} > {bound:.3e} (torch in {x.dtype}: {err_torch:.3e})"
+
+
+def _rows_of_lse(mask: torch.Tensor, args: AttnArgs) -> torch.Tensor:
+    """An LSE-shaped boolean as a mask of q-shaped rows (without the head dim)."""
+    return mask.transpose(0, 1) if args.cu_seqlens_q is not None else mask.transpose(1, 2)
+
+
+def check_forward(out, lse, q, k, v, args: AttnArgs):
+    """Check a kernel's (out, lse); returns the float64 oracle's (out, lse) for the backward."""
+    ref, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float64)
+    ref_torch, _ = reference_attention(q, k, v, args, compute_dtype=q.dtype)
+    assert_within_rule("out", out, ref, ref_torch)
+    dead = torch.isneginf(ref_lse)
+    assert not lse.isnan().any(), "lse: NaN (unwritten or read out of bounds)"
+    assert torch.equal(torch.isneginf(lse), dead), "lse must be -inf exactly on the rows that see no key"
+    live_err = (lse.double() - ref_lse)[~dead].abs()
+    bound = 1e-4 + 1e-5 * ref_lse[~dead].abs()
+    assert (live_err <= bound).all(), f"lse: max error {live_err.max().item():.3e}"
+    assert (out[_rows_of_lse(dead, args)] == 0).all(), "rows that see no key must have output 0"
+    return ref, ref_lse
+
+
+def check_backward(grads, dout, dlse, q, k, v, ref_out, ref_lse, args: AttnArgs) -> None:
+    """Check a kernel's (dq, dk, dv) given the oracle's forward results."""
+    refs = reference_attention_backward(dout, q, k, v, ref_out, ref_lse, dlse, args, compute_dtype=torch.float64)
+    out_t, lse_t = reference_attention(q, k, v, args, compute_dtype=q.dtype)
+    torch_grads = reference_attention_backward(dout, q, k, v, out_t, lse_t, dlse, args, compute_dtype=q.dtype)
+    for name, x, ref, ref_torch in zip(("dq", "dk", "dv"), grads, refs, torch_grads):
+        assert_within_rule(name, x, ref, ref_torch)
