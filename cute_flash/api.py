@@ -328,7 +328,7 @@ def _check_features(backend: Backend, args: AttnArgs, q, v) -> None:
     """The backend must implement every feature the call uses, or say which it lacks."""
     reason = backend.unavailable_reason()
     if reason is not None:
-        raise NotImplementedError(f"backend {backend.name!r}: {reason}")
+        raise ValueError(f"backend {backend.name!r} cannot run here: {reason}")
     wanted = {
         "causal": args.causal,
         "window": args.has_window and not (args.causal and args.window_left < 0),
@@ -342,8 +342,20 @@ def _check_features(backend: Backend, args: AttnArgs, q, v) -> None:
         "fp32": q.dtype in (torch.float32, torch.float64),
     }
     missing = [f for f, on in wanted.items() if on and f not in backend.features]
+    unverified = [f for f in missing if f in backend.unverified]
+    if unverified:
+        raise NotImplementedError(
+            f"backend {backend.name!r}: {', '.join(unverified)} not yet verified on a GPU "
+            f"(pass backend='cute-sm80' or 'reference')"
+        )
     if missing:
         raise NotImplementedError(f"backend {backend.name!r} does not implement: {', '.join(missing)}")
+    dims = {q.shape[-1], v.shape[-1]}
+    if backend.verified_headdims is not None and not dims <= backend.verified_headdims:
+        raise NotImplementedError(
+            f"backend {backend.name!r}: head dims {sorted(dims - backend.verified_headdims)} not yet verified on a GPU "
+            f"(verified: {sorted(backend.verified_headdims)}; pass backend='cute-sm80' or 'reference')"
+        )
 
 
 def validate_backward(call: Call) -> None:

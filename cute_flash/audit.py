@@ -42,7 +42,11 @@ from typing import Callable, Optional
 ARCHS = ("sm_80", "sm_90a")
 
 # Modules whose `audit_targets(arch)` list the configurations the package ships.
-KERNEL_MODULES = ["cute_flash.kernels.common.probes"]
+KERNEL_MODULES = [
+    "cute_flash.kernels.common.probes",
+    "cute_flash.kernels.sm80.fwd_config",
+    "cute_flash.kernels.sm90.fwd_config",
+]
 
 # SASS opcodes counted per configuration (the part before the first '.').
 COUNTED_SASS = ("HMMA", "HGMMA", "LDSM", "STSM", "LDGSTS", "UTMALDG", "UTMASTG", "LDL", "STL")

@@ -22,15 +22,13 @@ def _version(dist: str) -> str:
 
 
 def feature_matrix() -> dict:
-    """{backend: {feature: bool}}: True only where the backend implements (and tests) it."""
-    matrix = {}
-    for name in backends.BACKEND_NAMES:
-        if name == "cute":
-            continue
-        b = backends.get_backend(name)
-        implemented = b.unavailable_reason() is None
-        matrix[name] = {f: implemented and f in b.features for f in FEATURES}
-    return matrix
+    """{backend: {feature: bool}}: True only where the backend implements (and tests) it,
+    whether or not the backend can run on this machine (`unavailable` says that)."""
+    return {
+        name: {f: f in backends.get_backend(name).features for f in FEATURES}
+        for name in backends.BACKEND_NAMES
+        if name != "cute"
+    }
 
 
 def backend_info() -> dict:
@@ -60,6 +58,12 @@ def backend_info() -> dict:
     }
 
 
+def _cell(backend: str, feature: str, supported: bool) -> str:
+    if supported:
+        return "yes"
+    return "unverified" if feature in backends.get_backend(backend).unverified else "-"
+
+
 def format_info(info: dict) -> str:
     lines = [f"backend: {info['backend']}  ({info['reason']})", f"gpu: {info['gpu'] or 'none'}"]
     lines += [f"{k}: {v}" for k, v in info["versions"].items()]
@@ -67,10 +71,11 @@ def format_info(info: dict) -> str:
         lines.append(f"unavailable: {name}: {why}")
     names = list(info["features"])
     width = max(map(len, FEATURES))
+    names_padded = [n.center(len("unverified")) for n in names]
     lines.append("")
-    lines.append(" " * width + " | " + " | ".join(names))
+    lines.append(" " * width + " | " + " | ".join(names_padded))
     for f in FEATURES:
-        cells = ["yes".center(len(n)) if info["features"][n][f] else "-".center(len(n)) for n in names]
+        cells = [_cell(n, f, info["features"][n][f]).center(len(p)) for n, p in zip(names, names_padded)]
         lines.append(f.ljust(width) + " | " + " | ".join(cells))
     return "\n".join(lines)
 

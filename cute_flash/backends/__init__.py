@@ -14,6 +14,7 @@ the CPU always run on `reference`.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -26,9 +27,9 @@ from .reference import ReferenceBackend
 # name -> (module, class). Imported on first use so that `import cute_flash` stays cheap.
 _REGISTRY = {
     "reference": ("cute_flash.backends.reference", "ReferenceBackend"),
-    "cute-sm80": ("cute_flash.backends.unimplemented", "CuteSm80Backend"),
-    "cute-sm90": ("cute_flash.backends.unimplemented", "CuteSm90Backend"),
-    "triton": ("cute_flash.backends.unimplemented", "TritonBackend"),
+    "cute-sm80": ("cute_flash.backends.cute", "CuteSm80Backend"),
+    "cute-sm90": ("cute_flash.backends.cute", "CuteSm90Backend"),
+    "triton": ("cute_flash.backends.triton", "TritonBackend"),
 }
 BACKEND_NAMES = tuple(_REGISTRY) + ("cute",)
 
@@ -46,14 +47,9 @@ def get_backend(name: str) -> Backend:
 
 
 def _cute_for_device() -> str:
-    if torch.cuda.is_available() and torch.version.hip is None:
-        if torch.cuda.get_device_capability() == (9, 0) and _implemented("cute-sm90"):
-            return "cute-sm90"
+    if torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0):
+        return "cute-sm90"
     return "cute-sm80"
-
-
-def _implemented(name: str) -> bool:
-    return get_backend(name).unavailable_reason() is None
 
 
 @dataclass(frozen=True)
@@ -76,15 +72,18 @@ def _choose() -> Choice:
     major, minor = torch.cuda.get_device_capability()
     gpu = f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
     if (major, minor) == (9, 0):
-        if _implemented("cute-sm90"):
-            return Choice("cute-sm90", f"{gpu}: TMA + WGMMA kernels")
-        return Choice("cute-sm80", f"{gpu}: the sm_90 kernels are not implemented yet, so the sm_80 kernels run")
+        return Choice("cute-sm90", f"{gpu}: TMA + WGMMA kernels")
     if major >= 8:
         return Choice("cute-sm80", f"{gpu}: cp.async + mma.sync kernels")
     return Choice("reference", f"{gpu} is older than sm_80, which the kernels need")
 
 
 DEFAULT = _choose()
+# On ROCm the fallback is worth a visible line; elsewhere the choice is logged quietly.
+logging.getLogger("cute_flash").log(
+    logging.WARNING if DEFAULT.name == "triton" and torch.version.hip else logging.INFO,
+    "cute_flash backend: %s (%s)", DEFAULT.name, DEFAULT.reason,
+)
 
 
 def resolve(name: Optional[str], device: torch.device) -> Backend:

@@ -79,6 +79,10 @@ class Backend:
 
     name: str = "?"
     features: frozenset = frozenset()
+    # Written and compiled, but not yet checked on a GPU: refused (NotImplementedError saying
+    # so) until the GPU tests pass, so that nothing untested runs by default.
+    unverified: frozenset = frozenset()
+    verified_headdims: Optional[frozenset] = None  # None: every head dim the API allows
     dtypes: tuple = (torch.float16, torch.bfloat16)
     max_headdim: int = 256
     headdim_multiple: int = 8

@@ -1,0 +1,330 @@
+"""The CuTe DSL backends: pick a kernel configuration, compile it once, launch it.
+
+`cute-sm80` (cp.async + ldmatrix + mma.sync; any NVIDIA GPU from sm_80 on, compiled for the
+GPU's own arch) and `cute-sm90` (TMA + WGMMA, warp-specialized; compute capability 9.0) differ
+only in their kernel package (`kernels/sm80`, `kernels/sm90`), each of which provides a frozen
+config dataclass (`make_config`), `compile_fwd` and `shipped_configs`.
+
+Compiled kernels are cached twice:
+
+* in memory, keyed by `(config, arch)`: a frozen dataclass, so every compile-time choice is
+  part of the key and nothing else is;
+* on disk, under `CUTE_FLASH_CACHE_DIR` (default: `$XDG_CACHE_HOME/cute_flash` or
+  `~/.cache/cute_flash`), as the object file the DSL exports, named by the configuration, a
+  hash of all its fields, the arch, the DSL version and a hash of the kernel sources, so that a
+  new process loads instead of recompiling and an edited kernel never loads a stale binary.
+
+Sequence lengths, batch, heads, strides, the scale and the window sizes are run-time
+arguments, so one compiled kernel serves every shape of its configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from .base import AttnArgs, Backend
+
+_KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept between processes."""
+    env = os.environ.get("CUTE_FLASH_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cute_flash"
+
+
+def device_arch(device: Optional[torch.device] = None) -> str:
+    """The DSL's name for the arch of `device` (sm_80, sm_86, sm_90a, sm_100a, ...)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    # Arch-specific features ("a" targets) exist from sm_90 on; an sm_80 kernel compiled for the
+    # local "a" target is still plain cp.async + mma.sync code.
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+@dataclass(frozen=True)
+class _CacheKey:
+    config: object  # a frozen kernel config dataclass
+    arch: str
+
+
+class KernelCache:
+    """Compiled kernels by (config, arch): memory first, then disk, then the compiler.
+
+    `config_module` names the kernel package's config module (its `compile_fwd` builds a
+    kernel); `sources` are the folders under `kernels/` whose code the kernels are made of.
+    """
+
+    def __init__(self, config_module: str, sources: tuple):
+        self.config_module = config_module
+        self.sources = sources
+        self._compiled: dict = {}
+        self._lock = threading.Lock()
+        self._digest: Optional[str] = None
+        self._disk_ok = True
+
+    def _source_digest(self) -> str:
+        import cutlass
+
+        digest = hashlib.sha256(str(getattr(cutlass, "__version__", "")).encode())
+        for sub in self.sources:
+            for path in sorted((_KERNEL_DIR / sub).glob("*.py")):
+                digest.update(path.name.encode())
+                digest.update(path.read_bytes())
+        return digest.hexdigest()[:16]
+
+    def _path(self, key: _CacheKey) -> Path:
+        if self._digest is None:
+            self._digest = self._source_digest()
+        # the name is for people; the hash of every field is what keeps two configs apart
+        fields = hashlib.sha256(repr(key.config).encode()).hexdigest()[:12]
+        return cache_dir() / f"{key.config.name}-{key.arch}-{fields}-{self._digest}.o"
+
+    def get(self, config, arch: str):
+        """(compiled function, where it came from: "memory" | "disk" | "compiled")."""
+        key = _CacheKey(config, arch)
+        with self._lock:
+            fn = self._compiled.get(key)
+            if fn is not None:
+                return fn, "memory"
+            fn, source = self._load(key), "disk"
+            if fn is None:
+                fn, source = self._compile(key), "compiled"
+            self._compiled[key] = fn
+            return fn, source
+
+    def _load(self, key: _CacheKey):
+        path = self._path(key)
+        if not path.exists():
+            return None
+        import cutlass.runtime
+
+        try:
+            return getattr(cutlass.runtime.load_module(str(path)), "kernel")
+        except Exception as exc:  # a corrupt or foreign file: recompile and overwrite it
+            warnings.warn(f"cute_flash: ignoring unreadable cached kernel {path}: {exc}", stacklevel=3)
+            return None
+
+    def _compile(self, key: _CacheKey):
+        fn = importlib.import_module(self.config_module).compile_fwd(key.config, f"--gpu-arch {key.arch}")
+        if self._disk_ok:
+            path = self._path(key)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.mkdir(exist_ok=True)
+                fn.export_to_c(str(tmp), "kernel", "kernel")
+                os.replace(tmp / "kernel.o", path)  # atomic: readers never see half a file
+                for leftover in tmp.iterdir():
+                    leftover.unlink()
+                tmp.rmdir()
+            except Exception as exc:  # e.g. a read-only cache dir: memory caching still works
+                self._disk_ok = False
+                warnings.warn(f"cute_flash: not caching kernels on disk ({exc})", stacklevel=3)
+        return fn
+
+
+def _as_cute(t: Optional[torch.Tensor], align: int):
+    if t is None:
+        return None
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+class _CuteBackend(Backend):
+    """What the CuTe backends share: configuration, cache, launch. Subclasses name the kernels."""
+
+    features = frozenset({"causal", "window", "softcap", "gqa", "varlen", "seqused_k", "headdim_v", "return_lse"})
+    config_module: str = ""
+    sources: tuple = ()
+
+    def __init__(self):
+        self.cache = KernelCache(self.config_module, self.sources)
+
+    def _gpu_reason(self) -> Optional[str]:
+        """Why this GPU cannot run the kernels, or None."""
+        raise NotImplementedError
+
+    def arch(self, device: Optional[torch.device] = None) -> str:
+        return device_arch(device)
+
+    def unavailable_reason(self) -> Optional[str]:
+        if not torch.cuda.is_available() or torch.version.hip is not None:
+            return "needs an NVIDIA GPU"
+        reason = self._gpu_reason()
+        if reason is not None:
+            return reason
+        try:
+            import cutlass.cute  # noqa: F401
+        except ImportError as exc:
+            return f"nvidia-cutlass-dsl is not importable ({exc})"
+        return None
+
+    def config(self, q, k, v, lse, args: AttnArgs):
+        """The frozen kernel configuration that runs this (validated) call."""
+        make_config = importlib.import_module(self.config_module).make_config
+        causal = args.causal and args.window_left < 0
+        return make_config(
+            _DTYPE_NAMES[q.dtype],
+            q.shape[-1],
+            v.shape[-1],
+            causal=causal,
+            local=args.has_window and not causal,
+            softcap=args.softcap > 0,
+            varlen_q=args.cu_seqlens_q is not None,
+            varlen_k=args.cu_seqlens_k is not None,
+            seqused_k=args.seqused_k is not None,
+            has_lse=lse is not None,
+        )
+
+    def fwd(self, q, k, v, out, lse, args: AttnArgs) -> None:
+        if args.page_table is not None:
+            raise NotImplementedError(f"backend {self.name!r} does not implement: paged_kv")
+        if args.num_splits > 1:
+            raise NotImplementedError(f"backend {self.name!r} does not implement: split_kv")
+        varlen_q = args.cu_seqlens_q is not None
+        num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+        max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+        if num_batch == 0 or not max_seqlen_q or q.numel() == 0:
+            return
+        if (k.shape[0] if args.cu_seqlens_k is not None else k.shape[1]) == 0:
+            # No key anywhere: every row is fully masked (and a TMA descriptor cannot
+            # describe an empty tensor).
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+            return
+        fn, _ = self.cache.get(self.config(q, k, v, lse, args), self.arch(q.device))
+        self.launch(fn, q, k, v, out, lse, args)
+
+    @staticmethod
+    def launch(fn, q, k, v, out, lse, args: AttnArgs) -> None:
+        """Run a compiled forward kernel on the current stream of q's device."""
+        import cuda.bindings.driver as cuda
+        from cutlass import Float32, Int32
+
+        from ..kernels.common.softmax import softmax_constants
+
+        varlen_q = args.cu_seqlens_q is not None
+        num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+        max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+        scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)
+        with torch.cuda.device(q.device):
+            stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+            fn(
+                _as_cute(q, 16), _as_cute(k, 16), _as_cute(v, 16), _as_cute(out, 16), _as_cute(lse, 4),
+                _as_cute(args.cu_seqlens_q, 4), _as_cute(args.cu_seqlens_k, 4), _as_cute(args.seqused_k, 4),
+                Int32(num_batch), Int32(max_seqlen_q), Float32(scale_log2), Float32(softcap_prescale),
+                Int32(args.window_left), Int32(args.window_right), stream,
+            )
+
+
+class CuteSm80Backend(_CuteBackend):
+    """cp.async + ldmatrix + mma.sync kernels: any NVIDIA GPU from sm_80 on."""
+
+    name = "cute-sm80"
+    config_module = "cute_flash.kernels.sm80.fwd_config"
+    sources = ("common", "sm80")
+
+    def _gpu_reason(self) -> Optional[str]:
+        major, _ = torch.cuda.get_device_capability()
+        if major < 8:
+            return f"needs compute capability 8.0 or newer; this GPU is {major}.x"
+        return None
+
+
+class CuteSm90Backend(_CuteBackend):
+    """TMA + WGMMA, warp-specialized kernels: NVIDIA Hopper (compute capability 9.0)."""
+
+    name = "cute-sm90"
+    config_module = "cute_flash.kernels.sm90.fwd_config"
+    sources = ("common", "sm90")
+    # Checked on an H200 so far: causal and not, GQA/MQA, LSE, tails (sequence lengths off the
+    # tile, seqlen_k = 1), head dims 64/128/256, fp16 and bf16.
+    features = frozenset({"causal", "gqa", "return_lse"})
+    unverified = _CuteBackend.features - features
+    verified_headdims = frozenset({64, 128, 256})
+
+    def _gpu_reason(self) -> Optional[str]:
+        cc = torch.cuda.get_device_capability()
+        if cc != (9, 0):
+            return f"needs compute capability 9.0 (sm_90a); this GPU is {cc[0]}.{cc[1]}"
+        return None
+
+    def arch(self, device: Optional[torch.device] = None) -> str:
+        return "sm_90a"
+
+
+def warmup(configs: Iterable, backend: Optional[str] = None, arch: Optional[str] = None) -> list:
+    """Compile (or load from the disk cache) kernel configurations ahead of the first call.
+
+    `configs` holds config dataclasses of the backend's kernels, or dicts of `make_config`
+    arguments, e.g. `{"dtype": "bfloat16", "head_dim": 128, "head_dim_v": 128, "causal": True}`.
+    `backend` is "cute-sm80" or "cute-sm90" (default: the current GPU's cute backend); `arch`
+    defaults to the current GPU's. Returns one (config, source, seconds) per entry, source
+    being "memory", "disk" or "compiled".
+    """
+    from . import get_backend
+
+    chosen = get_backend(backend or "cute")
+    make_config = importlib.import_module(chosen.config_module).make_config
+    arch = arch or chosen.arch()
+    report = []
+    for entry in configs:
+        config = make_config(**entry) if isinstance(entry, dict) else entry
+        start = time.perf_counter()
+        _, source = chosen.cache.get(config, arch)
+        report.append((config, source, time.perf_counter() - start))
+    return report
+
+
+def _warm_one(backend: str, config, arch: str) -> tuple:
+    from . import get_backend
+
+    start = time.perf_counter()
+    _, source = get_backend(backend).cache.get(config, arch)
+    return source, time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    """`python -m cute_flash.backends.cute [--backend cute-sm80|cute-sm90] [--arch A] [--jobs N]`:
+    fill the disk cache with every shipped forward configuration, compiling in parallel."""
+    import argparse
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from . import get_backend
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--backend", default="cute", choices=["cute", "cute-sm80", "cute-sm90"])
+    parser.add_argument("--arch", default=None, help="DSL arch name; default: the current GPU's")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    opts = parser.parse_args(argv)
+    chosen = get_backend(opts.backend)
+    arch = opts.arch or chosen.arch()
+    configs = importlib.import_module(chosen.config_module).shipped_configs()
+    start = time.perf_counter()
+    with ProcessPoolExecutor(max(1, opts.jobs), mp_context=get_context("spawn")) as pool:
+        results = list(pool.map(_warm_one, [chosen.name] * len(configs), configs, [arch] * len(configs)))
+    for config, (source, seconds) in zip(configs, results):
+        print(f"{config.name:70s} {arch:8s} {source:9s} {seconds:6.1f} s")
+    print(f"{len(configs)} configurations in {time.perf_counter() - start:.1f} s; cache: {cache_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

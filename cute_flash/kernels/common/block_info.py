@@ -1,0 +1,52 @@
+"""Which key blocks a query block has to visit, and which of them need a mask.
+
+Convention (FlashAttention-2): query row i of a sequence may see key j iff
+    i + (seqlen_k - seqlen_q) - window_left <= j <= i + (seqlen_k - seqlen_q) + window_right,
+causal being window (unbounded, 0). Windows arrive here already "effective": an unbounded side
+is replaced by seqlen_q + seqlen_k, which is wider than any sequence, so no -1 special case is
+left in the index arithmetic. All divisions are done on non-negative values (clamped first),
+so truncating division equals floor division.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+from cutlass import Int32
+
+from .seqlen_info import SeqlenInfo
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    tile_m: cutlass.Constexpr[int]
+    tile_n: cutlass.Constexpr[int]
+    is_causal: cutlass.Constexpr[bool]
+    is_local: cutlass.Constexpr[bool]
+    window_left: Int32
+    window_right: Int32
+
+    def n_block_range(self, seqlen: SeqlenInfo, m_block: Int32):
+        """[n_block_min, n_block_max): the key blocks holding at least one visible key."""
+        n_block_max = (seqlen.seqlen_k + self.tile_n - 1) // self.tile_n
+        n_block_min = Int32(0)
+        if cutlass.const_expr(self.is_causal or self.is_local):
+            offset = seqlen.seqlen_k - seqlen.seqlen_q
+            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen.seqlen_q) - 1
+            right = 0 if cutlass.const_expr(self.is_causal) else self.window_right
+            # one past the right-most visible key of the tile's last row
+            col_end = cutlass.max(last_row + offset + right + 1, 0)
+            n_block_max = cutlass.min(n_block_max, (col_end + self.tile_n - 1) // self.tile_n)
+        if cutlass.const_expr(self.is_local):
+            offset = seqlen.seqlen_k - seqlen.seqlen_q
+            col_begin = cutlass.max(m_block * self.tile_m + offset - self.window_left, 0)
+            n_block_min = col_begin // self.tile_n
+        return n_block_min, n_block_max
+
+    def n_block_right_masked(self, seqlen: SeqlenInfo, m_block: Int32) -> Int32:
+        """First key block that some row of the tile sees only partly on its right edge."""
+        offset = seqlen.seqlen_k - seqlen.seqlen_q
+        right = 0 if cutlass.const_expr(self.is_causal) else self.window_right
+        # row m_block * tile_m sees keys [.., limit]; block n is whole iff (n + 1) * tile_n <= limit + 1
+        return cutlass.max(m_block * self.tile_m + offset + right + 1, 0) // self.tile_n

@@ -1,0 +1,84 @@
+"""Online softmax over key blocks, in log2 space, for accumulators in mma.sync (C fragment) form.
+
+Scores arrive unscaled; `scale_log2` = softmax_scale * log2(e) (or softcap * log2(e) when the
+scores were already soft-capped), so p = 2^(s * scale_log2 - max * scale_log2) is one FFMA and
+one MUFU.EX2 per element. A row whose max is still -inf (everything masked so far) uses 0 as
+its reference instead, so no -inf - (-inf) is ever formed: such rows get p = 0, a rescale
+factor 0, and at the end a sum of 0, which the epilogue turns into output 0 and LSE -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .utils import LN_2, acc_mn_view, exp2f, fadd, fmax, log2f, quad_allreduce
+
+
+@dataclass(frozen=True)
+class OnlineSoftmax:
+    scale_log2: Float32
+    row_max: cute.Tensor  # per thread row, already reduced over the quad
+    row_sum: cute.Tensor  # per thread row, partial over this thread's columns
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+        row_max = cute.make_rmem_tensor(num_rows, Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        return OnlineSoftmax(scale_log2, row_max, row_sum)
+
+    @cute.jit
+    def step(self, acc_S: cute.Tensor, acc_O: cute.Tensor, is_first: cutlass.Constexpr[bool]):
+        """Turn acc_S into probabilities (in place) and rescale acc_O for the new row maxima."""
+        acc_S_mn = acc_mn_view(acc_S)
+        acc_O_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            row = acc_S_mn[r, None].load()
+            new_max = quad_allreduce(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), fmax)
+            prev_max = self.row_max[r]
+            if cutlass.const_expr(not is_first):
+                new_max = fmax(prev_max, new_max)
+            ref = 0.0 if new_max == -Float32.inf else new_max * self.scale_log2
+            row_sum = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                p = exp2f(acc_S_mn[r, c] * self.scale_log2 - ref)
+                acc_S_mn[r, c] = p
+                row_sum += p
+            if cutlass.const_expr(is_first):
+                self.row_sum[r] = row_sum
+            else:
+                correction = exp2f(prev_max * self.scale_log2 - ref)
+                self.row_sum[r] = self.row_sum[r] * correction + row_sum
+                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                    acc_O_mn[r, c] = acc_O_mn[r, c] * correction
+            self.row_max[r] = new_max
+
+    @cute.jit
+    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
+        """Normalise acc_O by the row sums and write the natural-log LSE of each row into `lse`."""
+        acc_O_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+            total = quad_allreduce(self.row_sum[r], fadd)
+            empty = total == 0.0
+            # NaN inputs give a NaN sum and stay NaN; only the all-masked row is special
+            inv = 0.0 if empty else 1.0 / total
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * inv
+            lse[r] = -Float32.inf if empty else (self.row_max[r] * self.scale_log2 + log2f(total)) * LN_2
+
+
+def softmax_constants(softmax_scale: float, softcap: float) -> tuple:
+    """(scale_log2, softcap_prescale) as the kernel takes them.
+
+    With soft-capping the kernel computes tanh(s * scale / softcap) and the softmax then runs on
+    softcap * tanh(...), i.e. with scale softcap in natural-log space.
+    """
+    if softcap > 0:
+        return softcap * math.log2(math.e), softmax_scale / softcap
+    return softmax_scale * math.log2(math.e), 1.0

@@ -1,0 +1,460 @@
+"""FlashAttention-2 forward for sm_80 and later: cp.async + ldmatrix + mma.sync.
+
+One CTA computes one (query block, head, batch) tile of O:
+
+1. cp.async (128-bit, zero-filled where out of range) brings the Q tile and the first K tile
+   into swizzled shared memory. K and V live in `num_stages`-deep rings so that the copy of the
+   next tile overlaps the MMAs of the current one.
+2. Key blocks are visited from the last visible one down to the first: the first visited
+   block is the only one that can be partial (key-length tail), and with a causal mask the
+   diagonal blocks come first, so masking is confined to the first few iterations.
+3. Per key block: ldmatrix feeds S = Q K^T (mma.sync m16n8k16, fp32 accumulators); the mask
+   sets hidden scores to -inf; the online softmax (exp2, scale folded into log2 space, quad
+   shuffles for row reductions) turns S into P and rescales O; P is converted to fp16/bf16 in
+   registers and used directly as the A operand of O += P V (V^T via transposing ldmatrix).
+4. Epilogue: O / rowsum is rounded to the input dtype (round-to-nearest-even), staged in
+   shared memory (over the Q tile), and stored with 128-bit predicated stores; the LSE
+   (natural log, float32) is written by the lane that owns column 0 of each row.
+
+Tiles that hold no visible key do no loads and no MMAs; their rows get O = 0 and LSE = -inf.
+A CTA whose query rows all lie past seqlen_q writes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warp
+
+from ..common.block_info import BlockInfo
+from ..common.mask import AttentionMask
+from ..common.seqlen_info import SeqlenInfo
+from ..common.smem_layouts import swizzle_params, smem_layout_tile
+from ..common.softmax import OnlineSoftmax
+from ..common.utils import (
+    acc_as_operand_a,
+    acc_mn_view,
+    col_predicate,
+    make_g2s_copy,
+    make_s2g_copy,
+    tanhf,
+)
+from .fwd_config import Sm80FwdConfig
+
+
+class FlashFwdSm80:
+    """The sm_80 forward kernel for one `Sm80FwdConfig` (all compile-time choices live there)."""
+
+    def __init__(self, config: Sm80FwdConfig):
+        self.cfg = config
+        self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+        self.num_threads = config.num_warps * 32
+
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, sq, h, d) or varlen (total_q, h, d)
+        mK: cute.Tensor,  # (b, sk, hk, d) or varlen (total_k, hk, d)
+        mV: cute.Tensor,  # (b, sk, hk, dv) or varlen (total_k, hk, dv)
+        mO: cute.Tensor,  # like mQ with dv
+        mLSE: Optional[cute.Tensor],  # float32 (b, h, sq) or varlen (h, total_q)
+        mCuSeqlensQ: Optional[cute.Tensor],  # int32 (b + 1)
+        mCuSeqlensK: Optional[cute.Tensor],  # int32 (b + 1)
+        mSeqUsedK: Optional[cute.Tensor],  # int32 (b)
+        num_batch: Int32,
+        max_seqlen_q: Int32,
+        softmax_scale_log2: Float32,  # scale * log2(e), or softcap * log2(e) with softcap
+        softcap_prescale: Float32,  # scale / softcap (unused without softcap)
+        window_left: Int32,  # -1 = unbounded
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        bits = self.dtype.width
+        sQ_layout = smem_layout_tile(bits, cfg.tile_m, cfg.head_dim)
+        sK_layout = smem_layout_tile(bits, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+        sV_layout = smem_layout_tile(bits, cfg.tile_n, cfg.head_dim_v, cfg.num_stages)
+        sO_layout = smem_layout_tile(bits, cfg.tile_m, cfg.head_dim_v)
+
+        # O is staged over Q once Q is no longer needed; the region holds either.
+        sQO_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sQO_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        qk_atom_cols = swizzle_params(bits, cfg.head_dim).atom_cols
+        vo_atom_cols = swizzle_params(bits, cfg.head_dim_v).atom_cols
+        gmem_copy_QK = make_g2s_copy(self.dtype, self.num_threads, qk_atom_cols)
+        gmem_copy_V = make_g2s_copy(self.dtype, self.num_threads, vo_atom_cols)
+        gmem_copy_O = make_s2g_copy(self.dtype, self.num_threads, vo_atom_cols)
+
+        # Warps split the query rows; a 16-wide N permutation lets one ldmatrix.x4 feed two n8 MMAs.
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            (cfg.num_warps, 1, 1),
+            permutation_mnk=(cfg.num_warps * 16, 16, 16),
+        )
+
+        num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+        num_heads = mQ.shape[2] if cutlass.const_expr(not cfg.varlen_q) else mQ.shape[1]
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+            softmax_scale_log2, softcap_prescale, window_left, window_right,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+            gmem_copy_QK, gmem_copy_V, gmem_copy_O, tiled_mma, SharedStorage,
+        ).launch(
+            grid=[num_m_blocks, num_heads, num_batch],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=self.cfg.min_ctas_per_sm,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        softmax_scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        gmem_copy_QK: cute.TiledCopy,
+        gmem_copy_V: cute.TiledCopy,
+        gmem_copy_O: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        block_x, head, batch = cute.arch.block_idx()
+        m_block = block_x
+        if cutlass.const_expr(cfg.causal):
+            # Causal query blocks near the end see the most keys: launch them first.
+            m_block = cute.arch.grid_dim()[0] - 1 - block_x
+
+        seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        if m_block * cfg.tile_m < seqlen.seqlen_q:
+            self.attend_tile(
+                mQ, mK, mV, mO, mLSE, seqlen, m_block, head, batch, tidx,
+                softmax_scale_log2, softcap_prescale, window_left, window_right,
+                sQ_layout, sK_layout, sV_layout, sO_layout,
+                gmem_copy_QK, gmem_copy_V, gmem_copy_O, tiled_mma, SharedStorage,
+            )
+
+    @cute.jit
+    def attend_tile(
+        self,
+        mQ, mK, mV, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch, tidx,
+        softmax_scale_log2, softcap_prescale, window_left, window_right,
+        sQ_layout, sK_layout, sV_layout, sO_layout,
+        gmem_copy_QK, gmem_copy_V, gmem_copy_O, tiled_mma, SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        num_heads = mQ.shape[2] if cutlass.const_expr(not cfg.varlen_q) else mQ.shape[1]
+        num_heads_k = mK.shape[2] if cutlass.const_expr(not cfg.varlen_k) else mK.shape[1]
+        head_k = head // (num_heads // num_heads_k)
+        headdim = mQ.shape[3] if cutlass.const_expr(not cfg.varlen_q) else mQ.shape[2]
+        headdim_v = mV.shape[3] if cutlass.const_expr(not cfg.varlen_k) else mV.shape[2]
+
+        # ---- global tiles (every offset below is token * 64-bit stride) ----
+        gQ = cute.local_tile(seqlen.q_rows(mQ, batch, head), (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        gK = cute.local_tile(seqlen.k_rows(mK, batch, head_k), (cfg.tile_n, cfg.head_dim), (None, 0))
+        gV = cute.local_tile(seqlen.k_rows(mV, batch, head_k), (cfg.tile_n, cfg.head_dim_v), (None, 0))
+
+        # ---- shared memory ----
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sK_layout)
+        sV = storage.sV.get_tensor(sV_layout)
+        # V^T as (dv, n[, stage]) over the same memory: the B operand of O = P V.
+        sVt_shape, sVt_stride = (cfg.head_dim_v, cfg.tile_n), (cfg.tile_n, 1)
+        if cutlass.const_expr(cfg.num_stages > 1):
+            sVt_shape, sVt_stride = sVt_shape + (cfg.num_stages,), sVt_stride + (cfg.tile_n * cfg.head_dim_v,)
+        sVt = cute.composition(sV, cute.make_layout(sVt_shape, stride=sVt_stride))
+
+        # ---- gmem -> smem copies and their predicates ----
+        thr_copy_QK = gmem_copy_QK.get_slice(tidx)
+        thr_copy_V = gmem_copy_V.get_slice(tidx)
+        tQgQ, tQsQ = thr_copy_QK.partition_S(gQ), thr_copy_QK.partition_D(sQ)
+        tKgK, tKsK = thr_copy_QK.partition_S(gK), thr_copy_QK.partition_D(sK)
+        tVgV, tVsV = thr_copy_V.partition_S(gV), thr_copy_V.partition_D(sV)
+        tQcQ = thr_copy_QK.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
+        tKcK = thr_copy_QK.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
+        tVcV = thr_copy_V.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim_v)))
+        # column predicates depend only on the column, so Q and K (same head dim) share them
+        tQKpD = col_predicate(tKcK, headdim) if cutlass.const_expr(cfg.check_hdim) else None
+        tVpD = col_predicate(tVcV, headdim_v) if cutlass.const_expr(cfg.check_hdim_v) else None
+
+        # ---- MMA partitions ----
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(self.stage_of(sK, 0)))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(self.stage_of(sVt, 0)))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
+        acc_O.fill(0.0)
+
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        smem_copy_Q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
+        smem_copy_K = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+        smem_copy_V = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+        tSsQ = smem_copy_Q.partition_S(sQ)
+        tSsK = smem_copy_K.partition_S(sK)
+        tOsVt = smem_copy_V.partition_S(sVt)
+
+        cS = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
+        tScS_mn = acc_mn_view(thr_mma.partition_C(cS))
+        t0ScS_mn = acc_mn_view(tiled_mma.get_slice(0).partition_C(cS))
+
+        # ---- masks and block range ----
+        window_left_eff = window_left
+        window_right_eff = window_right
+        if cutlass.const_expr(cfg.local):
+            unbounded = seqlen.seqlen_q + seqlen.seqlen_k
+            window_left_eff = window_left if window_left >= 0 else unbounded
+            window_right_eff = window_right if window_right >= 0 else unbounded
+        block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, window_left_eff, window_right_eff)
+        mask = AttentionMask(
+            cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff, window_right_eff
+        )
+        n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
+        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(tScS_mn, mode=[0]))
+
+        k_rows_left = seqlen.seqlen_k - (n_block_max - 1) * cfg.tile_n
+        load_K = lambda n, stage, rows: self.load_tile(  # noqa: E731
+            gmem_copy_QK, tKgK[None, None, None, n], self.stage_of(tKsK, stage), tKcK, tQKpD, rows
+        )
+        load_V = lambda n, stage, rows: self.load_tile(  # noqa: E731
+            gmem_copy_V, tVgV[None, None, None, n], self.stage_of(tVsV, stage), tVcV, tVpD, rows
+        )
+
+        if n_block_max > n_block_min:
+            # ---- prologue: Q, K[last] and, with two stages, V[last] and K[last - 1] ----
+            n_last = n_block_max - 1
+            self.load_tile(gmem_copy_QK, tQgQ, tQsQ, tQcQ, tQKpD, seqlen.seqlen_q - m_block * cfg.tile_m)
+            cute.arch.cp_async_commit_group()
+            load_K(n_last, 0, k_rows_left)
+            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(cfg.num_stages == 2):
+                load_V(n_last, 0, k_rows_left)
+                cute.arch.cp_async_commit_group()
+                if n_last - 1 >= n_block_min:
+                    load_K(n_last - 1, 1, None)
+                cute.arch.cp_async_commit_group()
+
+            step = lambda n, is_first, mask_seqlen, mask_causal, mask_local: self.attend_block(  # noqa: E731
+                n, n_last, n_block_min, k_rows_left, is_first, mask_seqlen, mask_causal, mask_local,
+                tiled_mma, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K,
+                smem_copy_V, load_K, load_V, softmax, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
+            )
+            # The first block carries the key-length tail (and the diagonal, if causal).
+            step(n_last, True, True, cfg.causal, cfg.local)
+            # Then the blocks that cross the causal diagonal / window edge, then the clean ones.
+            n_split = n_last
+            if cutlass.const_expr(cfg.local):
+                n_split = n_block_min
+            elif cutlass.const_expr(cfg.causal):
+                n_split = cutlass.max(
+                    cutlass.min(block_info.n_block_right_masked(seqlen, m_block), n_last), n_block_min
+                )
+            for i in cutlass.range(n_last - n_split, unroll=1):
+                step(n_last - 1 - i, False, False, cfg.causal, cfg.local)
+            for i in cutlass.range(n_split - n_block_min, unroll=1):
+                step(n_split - 1 - i, False, False, False, False)
+
+        # ---- epilogue ----
+        lse = cute.make_rmem_tensor(cute.size(tScS_mn, mode=[0]), Float32)
+        softmax.finalize(acc_O, lse)
+        self.store_O(acc_O, lse, mO, mLSE, seqlen, m_block, head, batch, tidx, sQ, sO_layout,
+                     gmem_copy_O, tiled_mma, headdim_v)
+
+    @cute.jit
+    def attend_block(
+        self,
+        n_block, n_last, n_block_min, k_rows_left,
+        is_first: cutlass.Constexpr, mask_seqlen: cutlass.Constexpr,
+        mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr,
+        tiled_mma, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K,
+        smem_copy_V, load_K, load_V, softmax: OnlineSoftmax, mask: AttentionMask, tScS_mn, t0ScS_mn,
+        m_block, softcap_prescale,
+    ):
+        """One key block: S = Q K^T, mask, online softmax, O += P V, with the next loads in flight.
+
+        cp.async groups are committed in a fixed order (empty when there is nothing to load), so
+        the number of groups allowed in flight at each wait is a constant: 2 * stages - 2.
+        """
+        cfg = self.cfg
+        stages = cfg.num_stages
+        stage = (n_last - n_block) % stages if cutlass.const_expr(stages > 1) else 0
+        in_flight = 2 * stages - 2
+
+        # K[n] has landed, and every warp is done with the buffers the next loads overwrite.
+        cute.arch.cp_async_wait_group(in_flight)
+        cute.arch.barrier()
+        if cutlass.const_expr(stages == 1):
+            load_V(n_block, 0, k_rows_left if cutlass.const_expr(is_first) else None)
+        elif n_block - 1 >= n_block_min:
+            load_V(n_block - 1, 1 - stage, None)
+        cute.arch.cp_async_commit_group()
+
+        acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
+        acc_S.fill(0.0)
+        self.gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, self.stage_of(tSsK, stage), smem_copy_Q, smem_copy_K)
+
+        if cutlass.const_expr(cfg.softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = tanhf(acc_S[i] * softcap_prescale)
+
+        if cutlass.const_expr(stages == 1):
+            # V[n] has landed and every warp is done reading K[n]: prefetch K[n - 1].
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            if n_block - 1 >= n_block_min:
+                load_K(n_block - 1, 0, None)
+            cute.arch.cp_async_commit_group()
+
+        if cutlass.const_expr(mask_seqlen or mask_causal or mask_local):
+            mask.apply(acc_S, tScS_mn, t0ScS_mn, m_block, n_block, mask_seqlen, mask_causal, mask_local)
+        softmax.step(acc_S, acc_O, is_first)
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+
+        if cutlass.const_expr(stages == 2):
+            # V[n] has landed and every warp is done reading K[n]: prefetch K[n - 2] into its slot.
+            cute.arch.cp_async_wait_group(in_flight)
+            cute.arch.barrier()
+            if n_block - 2 >= n_block_min:
+                load_K(n_block - 2, stage, None)
+            cute.arch.cp_async_commit_group()
+
+        self.gemm_rs(tiled_mma, acc_O, acc_as_operand_a(rP), tOrVt, self.stage_of(tOsVt, stage), smem_copy_V)
+
+    @cute.jit
+    def load_tile(
+        self,
+        tiled_copy: cute.TiledCopy,
+        tXgX: cute.Tensor,
+        tXsX: cute.Tensor,
+        tXcX: cute.Tensor,
+        tXpD: Optional[cute.Tensor],
+        rows,  # number of valid rows in this tile, or None when the tile is full
+    ):
+        """cp.async one tile; rows past `rows` and columns past the head dim are zero-filled.
+
+        Zero-filling (instead of skipping) keeps stale shared memory from ever reaching an MMA:
+        a NaN left in a V row would survive P = 0 as 0 * NaN.
+        """
+        if cutlass.const_expr(rows is None and tXpD is None):
+            cute.copy(tiled_copy, tXgX, tXsX)
+        else:
+            for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                    if cutlass.const_expr(rows is None):
+                        ok = tXpD[0, 0, k]
+                    elif cutlass.const_expr(tXpD is None):
+                        ok = tXcX[0, m, 0][0] < rows
+                    else:
+                        ok = (tXcX[0, m, 0][0] < rows) & tXpD[0, 0, k]
+                    if ok:
+                        cute.copy(tiled_copy, tXgX[None, m, k], tXsX[None, m, k])
+                    else:
+                        tXsX[None, m, k].fill(0)
+
+    def stage_of(self, t: cute.Tensor, stage) -> cute.Tensor:
+        """Slot `stage` of a K/V ring (its last mode); a one-stage ring has no stage mode."""
+        if cutlass.const_expr(self.cfg.num_stages == 1):
+            return t
+        return t[(None,) * (cute.rank(t) - 1) + (stage,)]
+
+    @staticmethod
+    def gemm_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B):
+        """acc += A B with both operands streamed from shared memory one k-slice ahead."""
+        tCrA_view = smem_copy_A.retile(tCrA)
+        tCrB_view = smem_copy_B.retile(tCrB)
+        num_k = cute.size(tCsA, mode=[2])
+        cute.copy(smem_copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
+        cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
+        for k in range(num_k):
+            if k + 1 < num_k:
+                cute.copy(smem_copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
+                cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
+            cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+    @staticmethod
+    def gemm_rs(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
+        """acc += A B with A already in registers and B streamed from shared memory."""
+        tCrB_view = smem_copy_B.retile(tCrB)
+        num_k = cute.size(tCrA, mode=[2])
+        cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
+        for k in range(num_k):
+            if k + 1 < num_k:
+                cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
+            cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+    @cute.jit
+    def store_O(
+        self, acc_O, lse, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch, tidx, sQ, sO_layout,
+        gmem_copy_O, tiled_mma, headdim_v,
+    ):
+        cfg = self.cfg
+        rows_left = seqlen.seqlen_q - m_block * cfg.tile_m
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))  # cvt.rn: round to nearest even
+
+        # LSE: the lane holding column 0 of a row writes it.
+        if cutlass.const_expr(mLSE is not None):
+            gLSE = cute.local_tile(seqlen.lse_row(mLSE, batch, head), (cfg.tile_m,), (m_block,))
+            tOcO_mn = acc_mn_view(tiled_mma.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v))))
+            if tOcO_mn[0, 0][1] == 0:
+                for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
+                    row = tOcO_mn[r, 0][0]
+                    if row < rows_left:
+                        gLSE[row] = lse[r]
+
+        # Every warp is done reading sQ / sV before O overwrites the Q tile.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        sO = cute.make_tensor(sQ.iterator, sO_layout)
+        smem_copy_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma
+        ).get_slice(tidx)
+        cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
+        cute.arch.barrier()
+
+        gO = cute.local_tile(seqlen.q_rows(mO, batch, head), (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
+        thr_copy_O = gmem_copy_O.get_slice(tidx)
+        tOsO = thr_copy_O.partition_S(sO)
+        tOgO = thr_copy_O.partition_D(gO)
+        tOcO = thr_copy_O.partition_D(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v)))
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        tOpD = col_predicate(tOcO, headdim_v) if cutlass.const_expr(cfg.check_hdim_v) else None
+        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            if tOcO[0, m, 0][0] < rows_left:
+                cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None],
+                          pred=tOpD[None, m, None] if cutlass.const_expr(cfg.check_hdim_v) else None)

@@ -1,0 +1,221 @@
+"""Compile-time configuration of the sm_80 forward kernel: the key of the compile cache.
+
+`Sm80FwdConfig` holds every choice that changes the generated code; everything else (sequence
+lengths, batch, heads, strides, the actual head dim inside a padded tile, scale, window sizes)
+is a run-time argument, so one compiled kernel serves every shape of its configuration.
+
+The tile table (per padded head dim) was chosen so that every entry compiles with zero register
+spills for sm_80 and sm_90a and fits the 99 KB of shared memory of sm_86/sm_89 parts (A100:
+163 KB), and, among those, by speed on an H200. A warp owns 32 query rows with 4 warps per 128
+rows and 16 with 8 warps (or 4 warps per 64 rows). 32 rows per warp reads K and V from shared
+memory half as often per MMA, which is what makes the small head dims fast, but 32 rows x 96+
+columns of fp32 output accumulators leave too few registers for the score tile and the operand
+fragments (hd128 at 128x64 with 4 warps spills), so the large head dims use 16 rows per warp
+(hd96 and hd192 with a wider key tile and one K/V stage: with one stage K and V still have
+buffers of their own, so the copy of V overlaps S = Q K^T and the copy of the next K overlaps
+P V). hd128 at 128x128 with 8 warps and one stage is faster still on an H200 but spills in fp16
+with a causal mask, so hd128 takes 64x64 with 4 warps and two stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple
+
+# Head dims with a tile of their own; any other multiple of 8 runs in the next one up, its
+# padding columns zero-filled on load and never stored.
+TILE_HEADDIMS = (32, 64, 96, 128, 192, 256)
+DTYPES = ("float16", "bfloat16")
+
+
+class Tile(NamedTuple):
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int  # depth of the K and V rings in shared memory
+    # ptxas hint (.minnctapersm): 1 tells it one CTA per SM is enough, so it never trades
+    # spills for occupancy; 0 leaves it free (its own choice spills less where 1 makes it
+    # schedule more aggressively). Set per tile by what compiles without spills.
+    min_ctas_per_sm: int = 0
+
+
+# keyed by the padded max(head_dim, head_dim_v)
+TILES = {
+    32: Tile(128, 64, 4, 2),
+    64: Tile(128, 64, 4, 2),
+    96: Tile(128, 128, 8, 1),
+    128: Tile(64, 64, 4, 2, min_ctas_per_sm=1),
+    192: Tile(128, 64, 8, 1),
+    256: Tile(64, 64, 4, 1),
+}
+
+
+def padded_headdim(d: int) -> int:
+    for t in TILE_HEADDIMS:
+        if d <= t:
+            return t
+    raise ValueError(f"head dim {d} exceeds the largest tile ({TILE_HEADDIMS[-1]})")
+
+
+@dataclass(frozen=True)
+class Sm80FwdConfig:
+    dtype: str  # "float16" | "bfloat16"
+    head_dim: int  # padded tile head dim of Q and K
+    head_dim_v: int  # padded tile head dim of V and O
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    check_hdim: bool = False  # the actual head dim is below the tile's: predicate columns
+    check_hdim_v: bool = False
+    causal: bool = False
+    local: bool = False  # sliding window (causal is not local)
+    softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_k: bool = False
+    has_lse: bool = True
+    min_ctas_per_sm: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
+        for name in ("head_dim", "head_dim_v"):
+            if getattr(self, name) not in TILE_HEADDIMS:
+                raise ValueError(f"{name} must be one of {TILE_HEADDIMS}; got {getattr(self, name)}")
+        if self.causal and self.local:
+            raise ValueError("causal and local exclude each other (causal is the window (-1, 0))")
+        if self.num_stages not in (1, 2):
+            raise ValueError(f"num_stages must be 1 or 2; got {self.num_stages}")
+
+    @property
+    def smem_bytes(self) -> int:
+        q_or_o = self.tile_m * max(self.head_dim, self.head_dim_v)
+        kv = self.tile_n * (self.head_dim + self.head_dim_v) * self.num_stages
+        return 2 * (q_or_o + kv)
+
+    @property
+    def name(self) -> str:
+        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k") if getattr(self, f)]
+        if self.check_hdim:
+            flags.append("padded")
+        if self.check_hdim_v:
+            flags.append("paddedv")
+        if not self.has_lse:
+            flags.append("nolse")
+        hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
+        tile = f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}"
+        return "_".join(["fwd_sm80", self.dtype, hd, tile] + flags)
+
+
+def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80FwdConfig:
+    """The shipped configuration for actual head dims (any multiples of 8 up to 256) and flags."""
+    hd, hdv = padded_headdim(head_dim), padded_headdim(head_dim_v)
+    tile = TILES[max(hd, hdv)]
+    return Sm80FwdConfig(
+        dtype=dtype,
+        head_dim=hd,
+        head_dim_v=hdv,
+        tile_m=tile.tile_m,
+        tile_n=tile.tile_n,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        min_ctas_per_sm=tile.min_ctas_per_sm,
+        check_hdim=hd != head_dim,
+        check_hdim_v=hdv != head_dim_v,
+        **flags,
+    )
+
+
+def shipped_configs() -> list:
+    """Every tile of the table in both dtypes, causal and not, plus one of each feature variant.
+
+    The feature variants change code paths but not the tile, so one head dim per variant is
+    enough to show that the path compiles without spills; the audit covers them all.
+    """
+    configs = [
+        make_config(dtype, d, d, causal=causal)
+        for d in TILE_HEADDIMS
+        for dtype in DTYPES
+        for causal in (False, True)
+    ]
+    for d in (64, 128, 256):
+        base = make_config("bfloat16", d, d)
+        configs += [
+            replace(base, local=True),
+            replace(base, softcap=True, causal=True),
+            replace(base, varlen_q=True, varlen_k=True, seqused_k=True, causal=True),
+            replace(base, check_hdim=True, check_hdim_v=True),
+        ]
+    configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64)]
+    return configs
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling a configuration (no GPU needed: fake tensors with symbolic sizes and 64-bit strides)
+# ------------------------------------------------------------------------------------------------
+def fake_arguments(config: Sm80FwdConfig) -> tuple:
+    """Arguments of `FlashFwdSm80.__call__` (less the stream) for `cute.compile`."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+
+    def tokens_tensor(varlen: bool, dt=dtype):
+        # (batch, seqlen, heads, d) or (total, heads, d); every size symbolic, every stride but
+        # the last a 64-bit multiple of 8 elements (16-byte rows for cp.async)
+        rank = 3 if varlen else 4
+        shape = tuple(cute.sym_int32() for _ in range(rank))
+        stride = tuple(cute.sym_int64(divisibility=8) for _ in range(rank - 1)) + (1,)
+        return make_fake_tensor(dt, shape, stride, assumed_align=16)
+
+    def int_vector():
+        return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
+
+    if config.has_lse:
+        rank = 2 if config.varlen_q else 3
+        lse = make_fake_tensor(
+            cutlass.Float32,
+            tuple(cute.sym_int32() for _ in range(rank)),
+            tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+            assumed_align=4,
+        )
+    else:
+        lse = None
+    return (
+        tokens_tensor(config.varlen_q),  # q
+        tokens_tensor(config.varlen_k),  # k
+        tokens_tensor(config.varlen_k),  # v
+        tokens_tensor(config.varlen_q),  # out
+        lse,
+        int_vector() if config.varlen_q else None,
+        int_vector() if config.varlen_k else None,
+        int_vector() if config.seqused_k else None,
+        cutlass.Int32(1),  # num_batch
+        cutlass.Int32(1),  # max_seqlen_q
+        cutlass.Float32(1.0),  # softmax_scale_log2
+        cutlass.Float32(1.0),  # softcap_prescale
+        cutlass.Int32(-1),  # window_left
+        cutlass.Int32(-1),  # window_right
+    )
+
+
+def compile_fwd(config: Sm80FwdConfig, options: str = "--gpu-arch sm_80"):
+    """cute.compile the kernel of `config` (with extra compiler `options`, e.g. the arch)."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+
+    from .fwd import FlashFwdSm80
+
+    return cute.compile(FlashFwdSm80(config), *fake_arguments(config), cuda.CUstream(0), options=options)
+
+
+def audit_targets(arch: str) -> list:
+    """One audit target per shipped configuration (see `cute_flash.audit`)."""
+    from cute_flash.audit import AuditTarget
+
+    def compiler(config) -> Callable:
+        return lambda options: compile_fwd(config, options)
+
+    return [AuditTarget(config.name, arch, compiler(config)) for config in shipped_configs()]

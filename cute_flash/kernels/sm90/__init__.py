@@ -1,0 +1,1 @@
+"""sm_90a kernels: TMA + WGMMA, warp-specialized (see `fwd.py`)."""

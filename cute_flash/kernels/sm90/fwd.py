@@ -1,0 +1,545 @@
+"""FlashAttention forward for sm_90a: TMA + WGMMA, one producer warp and 2-3 consumer warpgroups.
+
+One CTA computes one (query block, head, batch) tile of O with `1 + num_consumer_wgs`
+warpgroups:
+
+1. Producer (warpgroup 0, which gives most of its registers away with `setmaxnreg`): its first
+   warp issues TMA loads -- the Q tile once, then K and V tiles into `num_stages`-deep rings
+   guarded by mbarriers (`PipelineTmaAsync`: the consumer releases a slot, the producer waits
+   for it, re-arms the slot's transaction count and launches the next copy). Key blocks are
+   visited from the last visible one down to the first, in the order K(n), K(n-1), V(n),
+   K(n-2), V(n-1), ... which is the order the consumers need them in. TMA clips at the tensor
+   bounds and zero-fills, so no memory outside Q, K or V ever reaches a WGMMA. With
+   `seqused_k`, the V rows past it still lie inside the tensor: the consumers zero them in
+   shared memory before the first P·V (`zero_unused_keys`), so a stale cache cannot leak NaN.
+2. Consumers (warpgroups 1.., each owning 64 query rows): S = Q·Kᵀ by WGMMA with both
+   operands in shared memory; the mask sets hidden scores to -inf; the online softmax (log2
+   space, scale folded in, exp2) turns S into P, which is rounded to 16 bits in registers and
+   used directly as the register A operand of O += P·V (V as the MN-major B operand).
+   Intra-warpgroup overlap: the S GEMM of block n-1 and the P·V GEMM of block n are issued
+   together; the softmax of block n-1 runs while P·V is still in flight, and O is rescaled only
+   after that GEMM is waited for. Ping-pong: named barriers let one warpgroup issue its GEMMs
+   while the other one is in its softmax, so the tensor cores and the MUFU unit stay busy.
+3. Epilogue: O / rowsum rounded to the input dtype (round-to-nearest-even) goes to shared
+   memory (over the Q tile) by `stmatrix`, then out by one TMA store (clipped at the sequence
+   and head-dim ends); varlen batches store with predicated 128-bit copies instead, because a
+   TMA box would run into the next sequence's rows. LSE (natural log, float32) is written by
+   the lanes that own column 0.
+
+Tiles with no visible key do no loads and no GEMMs: O = 0, LSE = -inf. Causal and local tiles
+are launched from the last query block down, so the longest tiles start first.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+
+from ..common.block_info import BlockInfo
+from ..common.mask import AttentionMask
+from ..common.seqlen_info import SeqlenInfo
+from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
+from ..common.utils import acc_mn_view, col_predicate, tanhf
+from .fwd_config import Sm90FwdConfig
+from .softmax import DeferredRescaleSoftmax
+from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
+
+# Named barriers (0 is __syncthreads): the consumers' epilogue, then one per consumer
+# warpgroup for the ping-pong order of GEMM issue.
+BARRIER_EPILOGUE = 1
+BARRIER_PINGPONG = 2
+
+
+def tma_view(mX: cute.Tensor, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
+    """(b, s, h, d) -> (s, d, h, b), or varlen (total, h, d) -> (total, d, h): the tiled modes
+    (tokens, head dim) first, as TMA tiles the leading modes of its tensor."""
+    order = [0, 2, 1] if cutlass.const_expr(varlen) else [1, 3, 2, 0]
+    return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=order))
+
+
+class FlashFwdSm90:
+    """The sm_90 forward kernel for one `Sm90FwdConfig` (all compile-time choices live there)."""
+
+    def __init__(self, config: Sm90FwdConfig):
+        self.cfg = config
+        self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+        self.num_consumer_threads = 128 * config.num_consumer_wgs
+
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, sq, h, d) or varlen (total_q, h, d)
+        mK: cute.Tensor,  # (b, sk, hk, d) or varlen (total_k, hk, d)
+        mV: cute.Tensor,  # (b, sk, hk, dv) or varlen (total_k, hk, dv)
+        mO: cute.Tensor,  # like mQ with dv
+        mLSE: Optional[cute.Tensor],  # float32 (b, h, sq) or varlen (h, total_q)
+        mCuSeqlensQ: Optional[cute.Tensor],  # int32 (b + 1)
+        mCuSeqlensK: Optional[cute.Tensor],  # int32 (b + 1)
+        mSeqUsedK: Optional[cute.Tensor],  # int32 (b)
+        num_batch: Int32,
+        max_seqlen_q: Int32,
+        softmax_scale_log2: Float32,  # scale * log2(e), or softcap * log2(e) with softcap
+        softcap_prescale: Float32,  # scale / softcap (unused without softcap)
+        window_left: Int32,  # -1 = unbounded
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        sQ_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.head_dim)
+        sK_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+        sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v, cfg.num_stages)
+        sO_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.head_dim_v)
+        # O is staged over Q once every consumer is done with Q; the region holds either.
+        sQO_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sQO_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
+            load, tma_view(mQ, cfg.varlen_q), sQ_layout, (cfg.tile_m, cfg.head_dim)
+        )
+        tma_K, tma_mK = cpasync.make_tiled_tma_atom(
+            load, tma_view(mK, cfg.varlen_k), cute.select(sK_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim)
+        )
+        tma_V, tma_mV = cpasync.make_tiled_tma_atom(
+            load, tma_view(mV, cfg.varlen_k), cute.select(sV_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim_v)
+        )
+        tma_O, tma_mO = None, None
+        if cutlass.const_expr(not cfg.varlen_q):
+            tma_O, tma_mO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), tma_view(mO, False), sO_layout, (cfg.tile_m, cfg.head_dim_v)
+            )
+
+        # Each consumer warpgroup takes 64 rows of the tile (atom layout wgs x 1 x 1).
+        wgs = (cfg.num_consumer_wgs, 1, 1)
+        K_major, MN_major = OperandMajorMode.K, OperandMajorMode.MN
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_major, K_major, Float32, wgs, (64, cfg.tile_n)
+        )
+        # V is stored with the head dim contiguous: the MN-major B operand of P·V.
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim_v),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+        num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
+        self.kernel(
+            mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+            tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO,
+            softmax_scale_log2, softcap_prescale, window_left, window_right,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
+        ).launch(
+            grid=[num_m_blocks, num_heads, num_batch],
+            block=[cfg.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        tma_Q: cute.CopyAtom,
+        tma_mQ: cute.Tensor,
+        tma_K: cute.CopyAtom,
+        tma_mK: cute.Tensor,
+        tma_V: cute.CopyAtom,
+        tma_mV: cute.Tensor,
+        tma_O: Optional[cute.CopyAtom],
+        tma_mO: Optional[cute.Tensor],
+        softmax_scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_K, tma_V, tma_O):
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # one arrive per consumer warp (lane 0 signals the empty barrier)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
+        tx_bytes = self.dtype.width // 8
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=cfg.tile_m * cfg.head_dim * tx_bytes, defer_sync=True,
+        )
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_K.data_ptr(), num_stages=cfg.num_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=cfg.tile_n * cfg.head_dim * tx_bytes, defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_V.data_ptr(), num_stages=cfg.num_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=cfg.tile_n * cfg.head_dim_v * tx_bytes, defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+
+        # The WGMMA atoms swizzle byte addresses: the swizzle goes on the pointer.
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        block_x, head, batch = cute.arch.block_idx()
+        m_block = block_x
+        if cutlass.const_expr(cfg.causal or cfg.local):
+            # Query blocks near the end see the most keys: launch them first.
+            m_block = cute.arch.grid_dim()[0] - 1 - block_x
+        seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        window_left_eff, window_right_eff = window_left, window_right
+        if cutlass.const_expr(cfg.local):
+            unbounded = seqlen.seqlen_q + seqlen.seqlen_k
+            window_left_eff = window_left if window_left >= 0 else unbounded
+            window_right_eff = window_right if window_right >= 0 else unbounded
+        block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, window_left_eff, window_right_eff)
+        n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
+
+        num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
+        num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
+        head_k = head // (num_heads // num_heads_k)
+
+        pipeline.pipeline_init_wait()
+        # A CTA past the end of its (varlen) sequence has nothing to do; all its threads leave.
+        if m_block * cfg.tile_m < seqlen.seqlen_q:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(cfg.registers[1])
+                if warp_idx == 0 and n_block_max > n_block_min:
+                    self.load(
+                        tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
+                        pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_k, batch,
+                        n_block_min, n_block_max,
+                    )
+            else:
+                cute.arch.setmaxregister_increase(cfg.registers[0])
+                ctidx = tidx - 128
+                mask = AttentionMask(
+                    cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff, window_right_eff
+                )
+                self.consume(
+                    ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
+                    pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
+                    seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
+                    softmax_scale_log2, softcap_prescale,
+                )
+
+    # ------------------------------------------------------------------------------------------
+    # producer
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load(
+        self, tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
+        pipeline_q, pipeline_k, pipeline_v, seqlen: SeqlenInfo, m_block, head, head_k, batch,
+        n_block_min, n_block_max,
+    ):
+        cfg = self.cfg
+        gQ = cute.local_tile(self.rows(tma_mQ, cfg.varlen_q, seqlen.offset_q, batch, head),
+                             (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        gK = cute.local_tile(self.rows(tma_mK, cfg.varlen_k, seqlen.offset_k, batch, head_k),
+                             (cfg.tile_n, cfg.head_dim), (None, 0))
+        gV = cute.local_tile(self.rows(tma_mV, cfg.varlen_k, seqlen.offset_k, batch, head_k),
+                             (cfg.tile_n, cfg.head_dim_v), (None, 0))
+        one_cta = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        # K first: the first S GEMM needs only Q and K.
+        self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block_max - 1, kv_state)
+        pipeline_q.producer_acquire(q_state)
+        cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            n_block = n_block_max - 2 - i
+            v_state = kv_state.clone()
+            kv_state.advance()
+            self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block, kv_state)
+            self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block + 1, v_state)
+        self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block_min, kv_state)
+
+    @staticmethod
+    def load_tile(pipe, tma_atom, tXgX, tXsX, n_block, state):
+        """Wait for ring slot `state` to be free, arm its barrier and TMA key block `n_block` into it."""
+        pipe.producer_acquire(state)
+        cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @staticmethod
+    def rows(tma_mX: cute.Tensor, varlen: cutlass.Constexpr[bool], offset, batch, head) -> cute.Tensor:
+        """(tokens, head dim) of one (batch, head) of a `tma_view` tensor."""
+        if cutlass.const_expr(varlen):
+            return cute.domain_offset((offset, 0), tma_mX[None, None, head])
+        return tma_mX[None, None, head, batch]
+
+    # ------------------------------------------------------------------------------------------
+    # consumers
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(
+        self, ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
+        pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        seqlen: SeqlenInfo, block_info: BlockInfo, mask: AttentionMask, m_block, head, batch,
+        n_block_min, n_block_max, softmax_scale_log2, softcap_prescale,
+    ):
+        cfg = self.cfg
+        wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
+        thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
+        # Vᵀ (dv, n, stage) over V's bytes: the B operand of P·V.
+        sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
+        tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
+        tOrVt = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
+        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
+        acc_O.fill(0.0)
+        rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), self.dtype)
+        tOrP = probs_as_operand_a(rP, thr_mma_pv, (cfg.tile_m, cfg.tile_n))
+        cS = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
+        tScS_mn = acc_mn_view(acc_as_mma_sync(thr_mma_qk.partition_C(cS)))
+        # thread 0's coordinates: compile-time constants for the mask's comparisons
+        t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_qk.get_slice(0).partition_C(cS)))
+        num_rows = cute.size(tScS_mn, mode=[0])
+        softmax = DeferredRescaleSoftmax.create(softmax_scale_log2, num_rows)
+        correction = cute.make_rmem_tensor(num_rows, Float32)
+
+        if cutlass.const_expr(cfg.pingpong):
+            # The first warpgroup holds the first GEMM-issue turn.
+            if wg_idx == 0:
+                cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG, number_of_threads=256)
+
+        if n_block_max > n_block_min:
+            pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+
+            # First block: carries the key-length tail (and the diagonal / window edge).
+            n_last = n_block_max - 1
+            pipeline_k.consumer_wait(kv)
+            acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
+            gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+            warpgroup.wait_group(0)
+            pipeline_k.consumer_release(kv)
+            self.scores_to_probs(acc_S, n_last, True, True, cfg.causal, cfg.local,
+                                 softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
+            rP.store(acc_S.load().to(self.dtype))
+            if cutlass.const_expr(cfg.seqused_k):
+                self.zero_unused_keys(sV, kv, seqlen.seqlen_k - n_last * cfg.tile_n, ctidx, pipeline_v)
+            if cutlass.const_expr(not cfg.intra_wg_overlap):
+                kv = self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
+
+            # Then the blocks that cross the causal diagonal / window edge, then the clean ones.
+            n_split = n_last
+            if cutlass.const_expr(cfg.local):
+                n_split = n_block_min
+            elif cutlass.const_expr(cfg.causal):
+                n_right = block_info.n_block_right_masked(seqlen, m_block)
+                n_split = cutlass.max(cutlass.min(n_right, n_last), n_block_min)
+            for i in cutlass.range(n_last - n_split, unroll=1):
+                kv = self.attend_block(
+                    kv, n_last - 1 - i, cfg.causal, cfg.local, wg_idx, tiled_mma_qk, tiled_mma_pv,
+                    tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
+                    mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
+                )
+            for i in cutlass.range(n_split - n_block_min, unroll=1):
+                kv = self.attend_block(
+                    kv, n_split - 1 - i, False, False, wg_idx, tiled_mma_qk, tiled_mma_pv,
+                    tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
+                    mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
+                )
+            if cutlass.const_expr(cfg.intra_wg_overlap):
+                self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
+
+        self.epilogue(acc_O, softmax, mO, mLSE, tma_O, tma_mO, sO, seqlen, tiled_mma_pv, thr_mma_pv,
+                      ctidx, warp_idx, m_block, head, batch)
+
+    @cute.jit
+    def attend_block(
+        self, kv, n_block, mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr, wg_idx,
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v,
+        softmax: DeferredRescaleSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
+        softcap_prescale,
+    ):
+        """One key block n; `kv` is the ring slot to read next, the returned one the slot after.
+
+        With intra-warpgroup overlap `kv` holds block n + 1, whose P is in rP: S(n) = Q K(n)ᵀ and
+        O += P(n+1) V(n+1) are issued together and the softmax of S(n) runs while P·V is in
+        flight. Without it, block n is done start to end: S, softmax, P·V.
+        """
+        cfg = self.cfg
+        kv_s = kv
+        if cutlass.const_expr(cfg.intra_wg_overlap):
+            kv_s = kv.clone()
+            kv_s.advance()
+        pipeline_k.consumer_wait(kv_s)
+        if cutlass.const_expr(cfg.pingpong):
+            cute.arch.barrier(barrier_id=BARRIER_PINGPONG + wg_idx, number_of_threads=256)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
+        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], zero_init=True)
+        if cutlass.const_expr(cfg.intra_wg_overlap):
+            pipeline_v.consumer_wait(kv)
+            gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False)
+        if cutlass.const_expr(cfg.pingpong):
+            next_wg = (wg_idx + 1) % cfg.num_consumer_wgs
+            cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG + next_wg, number_of_threads=256)
+        warpgroup.wait_group(1 if cutlass.const_expr(cfg.intra_wg_overlap) else 0)  # S is in
+        pipeline_k.consumer_release(kv_s)
+        self.scores_to_probs(acc_S, n_block, False, False, mask_causal, mask_local,
+                             softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
+        if cutlass.const_expr(cfg.intra_wg_overlap):
+            warpgroup.wait_group(0)  # P·V is done with rP and acc_O
+            pipeline_v.consumer_release(kv)
+        softmax.rescale_O(acc_as_mma_sync(acc_O), correction)
+        rP.store(acc_S.load().to(self.dtype))
+        if cutlass.const_expr(not cfg.intra_wg_overlap):
+            kv_s = self.pv_block(kv_s, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
+        return kv_s
+
+    @cute.jit
+    def zero_unused_keys(self, sV, kv, rows_valid, ctidx, pipeline_v):
+        """Zero the rows of the first V block past seqused_k before any P·V reads them.
+
+        With `seqused_k` the keys past it still lie inside the tensor, so TMA loads them as they
+        are, and a stale cache may hold NaN or Inf there: P is exactly 0 on those columns, but
+        0 * NaN is NaN. Only the first visited block can be partial. Every consumer warpgroup
+        zeroes its share, then all of them meet before the first GEMM on that slot (this runs
+        before any ping-pong barrier, so the meeting cannot wait on a GEMM-issue turn).
+        """
+        cfg = self.cfg
+        if rows_valid < cfg.tile_n:
+            pipeline_v.consumer_wait(kv)
+            sV_slot = sV[None, None, kv.index]
+            elems = cfg.tile_n * cfg.head_dim_v
+            for i in cutlass.range_constexpr((elems + self.num_consumer_threads - 1) // self.num_consumer_threads):
+                idx = ctidx + i * self.num_consumer_threads
+                row, col = idx // cfg.head_dim_v, idx % cfg.head_dim_v
+                if row >= rows_valid and row < cfg.tile_n:
+                    sV_slot[row, col] = self.dtype(0)
+            # generic-proxy writes, read next by WGMMA through the async proxy
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+
+    @cute.jit
+    def pv_block(self, kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v):
+        """O += P V(kv), waited for; returns the next ring slot."""
+        pipeline_v.consumer_wait(kv)
+        gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(kv)
+        kv_next = kv.clone()
+        kv_next.advance()
+        return kv_next
+
+    @cute.jit
+    def scores_to_probs(
+        self, acc_S, n_block, is_first: cutlass.Constexpr, mask_seqlen: cutlass.Constexpr,
+        mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr,
+        softmax: DeferredRescaleSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
+        softcap_prescale,
+    ):
+        """Soft-cap, mask and exponentiate S in place (fp32), leaving O's correction factors."""
+        if cutlass.const_expr(self.cfg.softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = tanhf(acc_S[i] * softcap_prescale)
+        acc_S_mma = acc_as_mma_sync(acc_S)
+        if cutlass.const_expr(mask_seqlen or mask_causal or mask_local):
+            mask.apply(acc_S_mma, tScS_mn, t0ScS_mn, m_block, n_block, mask_seqlen, mask_causal, mask_local)
+        softmax.probs(acc_S_mma, correction, is_first)
+
+    # ------------------------------------------------------------------------------------------
+    # epilogue
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def epilogue(
+        self, acc_O, softmax: DeferredRescaleSoftmax, mO, mLSE, tma_O, tma_mO, sO,
+        seqlen: SeqlenInfo, tiled_mma_pv, thr_mma_pv, ctidx, warp_idx, m_block, head, batch,
+    ):
+        cfg = self.cfg
+        acc_O_mma = acc_as_mma_sync(acc_O)
+        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v))
+        tOcO_mn = acc_mn_view(acc_as_mma_sync(thr_mma_pv.partition_C(cO)))
+        lse = cute.make_rmem_tensor(cute.size(tOcO_mn, mode=[0]), Float32)
+        softmax.finalize(acc_O_mma, lse)
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))  # cvt.rn: round to nearest even
+        rows_left = seqlen.seqlen_q - m_block * cfg.tile_m
+
+        if cutlass.const_expr(mLSE is not None):
+            gLSE = cute.local_tile(seqlen.lse_row(mLSE, batch, head), (cfg.tile_m,), (m_block,))
+            if tOcO_mn[0, 0][1] == 0:
+                for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
+                    row = tOcO_mn[r, 0][0]
+                    if row < rows_left:
+                        gLSE[row] = lse[r]
+
+        # Every consumer warpgroup is done reading sQ before O overwrites it.
+        cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+        stsm = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma_pv
+        ).get_slice(ctidx)
+        cute.copy(stsm, stsm.retile(rO), stsm.partition_D(sO))
+        # stmatrix wrote through the generic proxy; the TMA store reads through the async one.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+
+        if cutlass.const_expr(not cfg.varlen_q):
+            if warp_idx == 4:
+                gO = cute.local_tile(tma_mO[None, None, head, batch], (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+                )
+                cute.copy(tma_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            headdim_v = mO.shape[2]
+            gO = cute.local_tile(seqlen.q_rows(mO, batch, head), (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
+            copy_O = make_row_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.dtype, cfg.head_dim_v,
+                                         self.num_consumer_threads)
+            thr_copy_O = copy_O.get_slice(ctidx)
+            tOsO = thr_copy_O.partition_S(sO)
+            tOgO = thr_copy_O.partition_D(gO)
+            tOcO = thr_copy_O.partition_D(cO)
+            tOrO = cute.make_fragment_like(tOsO, self.dtype)
+            cute.autovec_copy(tOsO, tOrO)
+            tOpD = col_predicate(tOcO, headdim_v)
+            for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+                if tOcO[0, m, 0][0] < rows_left:
+                    cute.copy(copy_O, tOrO[None, m, None], tOgO[None, m, None], pred=tOpD[None, m, None])

@@ -1,0 +1,250 @@
+"""Compile-time configuration of the sm_90 forward kernel: the key of the compile cache.
+
+`Sm90FwdConfig` holds every choice that changes the generated code; sequence lengths, batch,
+heads, strides, the actual head dims inside a padded tile, the scale and the window sizes are
+run-time arguments, so one compiled kernel serves every shape of its configuration.
+
+Tile table (keyed by the padded max(head_dim, head_dim_v)). Each consumer warpgroup owns 64
+query rows, so tile_m = 64 * consumer warpgroups. Register budget per consumer thread (fp32
+unless noted): acc_O = 64 * dv / 128, acc_S = 64 * tile_n / 128, P = half of acc_S (packed
+16-bit); with the intra-warpgroup overlap S of the next block and P of the current one are live
+together. Shared memory: Q (reused for O) + stages * tile_n * (d + dv) elements, within the
+H100/H200's 227 KB.
+
+| hd  | tile_m x tile_n | consumer WGs | stages | regs (consumer / producer) | ping-pong |
+| --- | --------------- | ------------ | ------ | -------------------------- | --------- |
+| 64  | 192 x 128       | 3            | 2      | 160 / 32                   | yes       |
+| 96  | 128 x 128       | 2            | 2      | 240 / 24                   | yes       |
+| 128 | 128 x 128       | 2            | 2      | 240 / 24                   | yes       |
+| 192 | 128 x 96        | 2            | 2      | 240 / 24                   | no        |
+| 256 | 128 x 64        | 2            | 2      | 240 / 24                   | no        |
+
+Ping-pong (named barriers handing the GEMM-issue turn from one consumer warpgroup to the next)
+pays when the softmax of a block is long next to its GEMMs; with tile_n 96 or 64 and a wide head
+dim the GEMMs dominate and the warpgroups are better left to run freely. The intra-warpgroup
+overlap is on everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple
+
+TILE_HEADDIMS = (64, 96, 128, 192, 256)
+DTYPES = ("float16", "bfloat16")
+
+
+class Tile(NamedTuple):
+    tile_m: int
+    tile_n: int
+    num_consumer_wgs: int
+    num_stages: int  # depth of the K and V rings in shared memory
+    pingpong: bool
+
+
+TILES = {
+    64: Tile(192, 128, 3, 2, True),
+    96: Tile(128, 128, 2, 2, True),
+    128: Tile(128, 128, 2, 2, True),
+    192: Tile(128, 96, 2, 2, False),
+    256: Tile(128, 64, 2, 2, False),
+}
+
+# setmaxnreg budgets (consumer, producer) per number of consumer warpgroups: the totals
+# (128 * producer + 128 * wgs * consumer) stay within the 64K registers of an SM.
+REGISTERS = {2: (240, 24), 3: (160, 32)}
+
+SMEM_LIMIT = 227 * 1024
+
+
+def padded_headdim(d: int) -> int:
+    for t in TILE_HEADDIMS:
+        if d <= t:
+            return t
+    raise ValueError(f"head dim {d} exceeds the largest tile ({TILE_HEADDIMS[-1]})")
+
+
+@dataclass(frozen=True)
+class Sm90FwdConfig:
+    dtype: str  # "float16" | "bfloat16"
+    head_dim: int  # padded tile head dim of Q and K
+    head_dim_v: int  # padded tile head dim of V and O
+    tile_m: int
+    tile_n: int
+    num_consumer_wgs: int
+    num_stages: int
+    intra_wg_overlap: bool = True  # issue S(n-1) = Q K^T before the softmax of block n
+    pingpong: bool = True  # named barriers order the GEMMs of the consumer warpgroups
+    causal: bool = False
+    local: bool = False  # sliding window (causal is not local)
+    softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_k: bool = False
+    has_lse: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
+        for name in ("head_dim", "head_dim_v"):
+            if getattr(self, name) not in TILE_HEADDIMS:
+                raise ValueError(f"{name} must be one of {TILE_HEADDIMS}; got {getattr(self, name)}")
+        if self.causal and self.local:
+            raise ValueError("causal and local exclude each other (causal is the window (-1, 0))")
+        if self.tile_m != 64 * self.num_consumer_wgs:
+            raise ValueError(f"tile_m must be 64 per consumer warpgroup; got {self.tile_m} for {self.num_consumer_wgs}")
+        if self.num_consumer_wgs not in REGISTERS:
+            raise ValueError(f"num_consumer_wgs must be one of {tuple(REGISTERS)}; got {self.num_consumer_wgs}")
+        if self.pingpong and not self.intra_wg_overlap:
+            raise ValueError("pingpong orders the overlapped GEMM issue; it needs intra_wg_overlap")
+        if self.tile_n % 16:
+            raise ValueError(f"tile_n must be a multiple of 16 (the k of P·V); got {self.tile_n}")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_consumer_wgs + 1)
+
+    @property
+    def registers(self) -> tuple:
+        """(consumer, producer) setmaxnreg budgets."""
+        return REGISTERS[self.num_consumer_wgs]
+
+    @property
+    def smem_bytes(self) -> int:
+        q_or_o = self.tile_m * max(self.head_dim, self.head_dim_v)
+        kv = self.tile_n * (self.head_dim + self.head_dim_v) * self.num_stages
+        return 2 * (q_or_o + kv) + 1024  # + mbarriers and alignment
+
+    @property
+    def name(self) -> str:
+        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k") if getattr(self, f)]
+        if not self.has_lse:
+            flags.append("nolse")
+        if not self.intra_wg_overlap:
+            flags.append("nooverlap")
+        if not self.pingpong:
+            flags.append("nopingpong")
+        hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
+        tile = f"{self.tile_m}x{self.tile_n}wg{self.num_consumer_wgs}s{self.num_stages}"
+        return "_".join(["fwd_sm90", self.dtype, hd, tile] + flags)
+
+
+def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdConfig:
+    """The shipped configuration for actual head dims (multiples of 8 up to 256) and flags.
+
+    Head dims below a tile's are not a separate configuration: TMA zero-fills the columns past
+    the actual head dim on load and clips them on store.
+    """
+    hd, hdv = padded_headdim(head_dim), padded_headdim(head_dim_v)
+    tile = TILES[max(hd, hdv)]
+    flags.setdefault("pingpong", tile.pingpong and flags.get("intra_wg_overlap", True))
+    return Sm90FwdConfig(
+        dtype=dtype,
+        head_dim=hd,
+        head_dim_v=hdv,
+        tile_m=tile.tile_m,
+        tile_n=tile.tile_n,
+        num_consumer_wgs=tile.num_consumer_wgs,
+        num_stages=tile.num_stages,
+        **flags,
+    )
+
+
+def shipped_configs() -> list:
+    """Every tile of the table in both dtypes, causal and not, plus one of each feature variant.
+
+    Feature variants change code paths but not the tile, so a few head dims per variant show
+    that each path compiles without spills.
+    """
+    configs = [
+        make_config(dtype, d, d, causal=causal)
+        for d in TILE_HEADDIMS
+        for dtype in DTYPES
+        for causal in (False, True)
+    ]
+    for d in (64, 128, 256):
+        base = make_config("bfloat16", d, d)
+        configs += [
+            replace(base, local=True),
+            replace(base, softcap=True, causal=True),
+            replace(base, varlen_q=True, varlen_k=True, causal=True),
+            replace(base, varlen_q=True, varlen_k=True, seqused_k=True),
+            replace(base, seqused_k=True),
+            replace(base, has_lse=False),
+        ]
+    configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64)]
+    return configs
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling a configuration (no GPU needed: fake tensors with symbolic sizes and 64-bit strides)
+# ------------------------------------------------------------------------------------------------
+def fake_arguments(config: Sm90FwdConfig) -> tuple:
+    """Arguments of `FlashFwdSm90.__call__` (less the stream) for `cute.compile`."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+
+    def tokens_tensor(varlen: bool):
+        # (batch, seqlen, heads, d) or (total, heads, d); every size symbolic, every stride but
+        # the last a 64-bit multiple of 8 elements (TMA needs 16-byte strides)
+        rank = 3 if varlen else 4
+        shape = tuple(cute.sym_int32() for _ in range(rank))
+        stride = tuple(cute.sym_int64(divisibility=8) for _ in range(rank - 1)) + (1,)
+        return make_fake_tensor(dtype, shape, stride, assumed_align=16)
+
+    def int_vector():
+        return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
+
+    lse = None
+    if config.has_lse:
+        rank = 2 if config.varlen_q else 3
+        lse = make_fake_tensor(
+            cutlass.Float32,
+            tuple(cute.sym_int32() for _ in range(rank)),
+            tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+            assumed_align=4,
+        )
+    return (
+        tokens_tensor(config.varlen_q),  # q
+        tokens_tensor(config.varlen_k),  # k
+        tokens_tensor(config.varlen_k),  # v
+        tokens_tensor(config.varlen_q),  # out
+        lse,
+        int_vector() if config.varlen_q else None,
+        int_vector() if config.varlen_k else None,
+        int_vector() if config.seqused_k else None,
+        cutlass.Int32(1),  # num_batch
+        cutlass.Int32(1),  # max_seqlen_q
+        cutlass.Float32(1.0),  # softmax_scale_log2
+        cutlass.Float32(1.0),  # softcap_prescale
+        cutlass.Int32(-1),  # window_left
+        cutlass.Int32(-1),  # window_right
+    )
+
+
+def compile_fwd(config: Sm90FwdConfig, options: str = "--gpu-arch sm_90a"):
+    """cute.compile the kernel of `config` (with extra compiler `options`, e.g. the arch)."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+
+    from .fwd import FlashFwdSm90
+
+    return cute.compile(FlashFwdSm90(config), *fake_arguments(config), cuda.CUstream(0), options=options)
+
+
+def audit_targets(arch: str) -> list:
+    """One audit target per shipped configuration (see `cute_flash.audit`); sm_90a only."""
+    from cute_flash.audit import AuditTarget
+
+    if arch != "sm_90a":
+        return []
+
+    def compiler(config) -> Callable:
+        return lambda options: compile_fwd(config, options)
+
+    return [AuditTarget(config.name, arch, compiler(config)) for config in shipped_configs()]

@@ -1,0 +1,256 @@
+"""The sm_80 forward kernel against the reference oracle, on a GPU (`pytest -m gpu`).
+
+Tolerance (DESIGN.md): max|out - ref| <= 2 * max|out_torch - ref| + atol, with `ref` the
+reference in float32 and `out_torch` the same attention computed in the input dtype.
+Every output is poisoned with NaN before the call, and K/V sit inside NaN-filled buffers (extra
+rows before and after, extra head-dim columns) so that any read outside the tensors shows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cute_flash.backends.base import AttnArgs
+from cute_flash.backends.reference import reference_attention
+
+pytestmark = pytest.mark.gpu
+
+SEQLEN_PAIRS = [(1, 1), (1, 4097), (113, 203), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
+HEADDIMS = [32, 64, 96, 128, 192, 256]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _backend():
+    from cute_flash.backends.cute import CuteSm80Backend
+
+    backend = CuteSm80Backend()
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return backend
+
+
+def _randn_in_nan(shape, dtype, pad_rows=0, row_dim=1, pad_cols=0):
+    """A random tensor that is a view into a larger NaN buffer (rows around it, columns after)."""
+    full = list(shape)
+    full[row_dim] += 2 * pad_rows
+    full[-1] += pad_cols
+    buf = torch.full(full, float("nan"), dtype=dtype, device="cuda")
+    index = [slice(None)] * len(shape)
+    index[row_dim] = slice(pad_rows, pad_rows + shape[row_dim])
+    index[-1] = slice(0, shape[-1])
+    view = buf[tuple(index)]
+    view.copy_(torch.randn(shape, dtype=dtype, device="cuda"))
+    return view
+
+
+def _kv(batch, seqlen_k, nheads_k, d, dv, dtype, varlen=False):
+    if varlen:
+        shape_k, shape_v, row_dim = (seqlen_k, nheads_k, d), (seqlen_k, nheads_k, dv), 0
+    else:
+        shape_k, shape_v, row_dim = (batch, seqlen_k, nheads_k, d), (batch, seqlen_k, nheads_k, dv), 1
+    k = _randn_in_nan(shape_k, dtype, pad_rows=67, row_dim=row_dim, pad_cols=8)
+    v = _randn_in_nan(shape_v, dtype, pad_rows=67, row_dim=row_dim, pad_cols=24)
+    return k, v
+
+
+def _run(q, k, v, args: AttnArgs):
+    """(out, lse) of the kernel, both poisoned with NaN before the call."""
+    out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device="cuda")
+    lse_shape = (q.shape[1], q.shape[0]) if args.cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device="cuda")
+    _backend().fwd(q, k, v, out, lse, args)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _check(q, k, v, args: AttnArgs):
+    out, lse = _run(q, k, v, args)
+    ref, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    ref_torch, _ = reference_attention(q, k, v, args, compute_dtype=q.dtype)
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} NaN outputs (unwritten or out-of-bounds read)"
+    err = (out.float() - ref).abs().max().item()
+    err_torch = (ref_torch.float() - ref).abs().max().item()
+    atol = torch.finfo(q.dtype).eps
+    assert err <= 2 * err_torch + atol, f"max|out - ref| = {err:.3e}, torch in {q.dtype}: {err_torch:.3e}"
+    # LSE: float32 from fp32 scores; rows with no visible key are -inf on both sides
+    masked = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), masked), "fully masked rows must have LSE -inf (and only they)"
+    assert not lse.isnan().any()
+    lse_err = (lse[~masked] - ref_lse[~masked]).abs()
+    assert lse_err.numel() == 0 or (lse_err <= 1e-3 + 1e-4 * ref_lse[~masked].abs()).all(), (
+        f"max LSE error {lse_err.max().item():.3e}"
+    )
+    if masked.any():  # rows with no visible key: output exactly 0
+        rows = masked.transpose(-1, -2) if args.cu_seqlens_q is not None else masked.transpose(1, 2)
+        assert (out[rows] == 0).all()
+    return out, lse
+
+
+def _args(d, **kw):
+    return AttnArgs(softmax_scale=kw.pop("softmax_scale", 1.0 / math.sqrt(d)), **kw)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", HEADDIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fwd_matches_reference_for_headdims_and_seqlens(dtype, d, causal, seqlen_q, seqlen_k):
+    if seqlen_q * seqlen_k > 10**7 and d not in (64, 128, 256):
+        pytest.skip("the longest pair runs for head dims 64/128/256 only")
+    torch.manual_seed(seqlen_q * 7 + seqlen_k + d)
+    batch, nheads = (1, 2) if seqlen_q * seqlen_k > 10**6 else (3, 3)
+    q = torch.randn(batch, seqlen_q, nheads, d, dtype=dtype, device="cuda")
+    k, v = _kv(batch, seqlen_k, nheads, d, d, dtype)
+    _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
+
+
+@pytest.mark.parametrize("nheads,nheads_k", [(6, 2), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_gqa_and_mqa_share_kv_heads(nheads, nheads_k, causal):
+    torch.manual_seed(nheads * 10 + nheads_k)
+    q = torch.randn(5, 257, nheads, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = _kv(5, 300, nheads_k, 128, 128, torch.bfloat16)
+    _check(q, k, v, _args(128, causal=causal, window_right=0 if causal else -1))
+
+
+@pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0), (200, 7)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024), (239, 1), (500, 130)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fwd_sliding_window(d, seqlen_q, seqlen_k, window):
+    torch.manual_seed(sum(window) + seqlen_q + d)
+    q = torch.randn(2, seqlen_q, 4, d, dtype=torch.bfloat16, device="cuda")
+    k, v = _kv(2, seqlen_k, 4, d, d, torch.bfloat16)
+    _check(q, k, v, _args(d, window_left=window[0], window_right=window[1]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fwd_softcap(d, causal):
+    torch.manual_seed(d)
+    q = torch.randn(2, 333, 3, d, dtype=torch.bfloat16, device="cuda") * 3
+    k, v = _kv(2, 517, 3, d, d, torch.bfloat16)
+    _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1, softcap=15.0))
+
+
+def _varlen_batch(seqlens_q, seqlens_k, nheads, nheads_k, d, dv, dtype):
+    cu_q = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(seqlens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = _randn_in_nan((int(cu_q[-1]), nheads, d), dtype, pad_rows=5, row_dim=0)
+    k, v = _kv(None, int(cu_k[-1]), nheads_k, d, dv, dtype, varlen=True)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("seqused", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fwd_varlen_and_seqused_k(d, causal, seqused):
+    torch.manual_seed(d + causal)
+    seqlens_q = [1, 0, 113, 239, 1023, 64, 7]
+    seqlens_k = [1, 5, 203, 1, 1024, 64, 300]
+    q, k, v, cu_q, cu_k = _varlen_batch(seqlens_q, seqlens_k, 4, 2, d, d, torch.bfloat16)
+    used = torch.tensor([1, 0, 150, 1, 1000, 17, 299], dtype=torch.int32, device="cuda") if seqused else None
+    args = _args(d, causal=causal, window_right=0 if causal else -1, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                 max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), seqused_k=used)
+    _check(q, k, v, args)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_seqused_k_in_batch_mode(causal):
+    torch.manual_seed(3)
+    q = torch.randn(3, 200, 2, 128, dtype=torch.float16, device="cuda")
+    k, v = _kv(3, 512, 2, 128, 128, torch.float16)
+    used = torch.tensor([512, 1, 333], dtype=torch.int32, device="cuda")
+    _check(q, k, v, _args(128, causal=causal, window_right=0 if causal else -1, seqused_k=used))
+
+
+@pytest.mark.parametrize("d", [8, 40, 72, 120, 136, 200])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fwd_padded_headdims_read_no_padding(dtype, d):
+    torch.manual_seed(d)
+    q = _randn_in_nan((2, 301, 3, d), dtype, pad_rows=3, pad_cols=8)
+    k, v = _kv(2, 257, 3, d, d, dtype)
+    _check(q, k, v, _args(d, causal=True, window_right=0))
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (64, 128), (40, 96)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_headdim_v_differs(d, dv, causal):
+    torch.manual_seed(d + dv)
+    dtype = torch.bfloat16 if causal else torch.float16
+    q = torch.randn(2, 211, 4, d, dtype=dtype, device="cuda")
+    k, v = _kv(2, 333, 4, d, dv, dtype)
+    _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
+
+
+def test_fwd_non_contiguous_inputs():
+    """q sliced out of a packed qkv tensor; k and v from separate buffers with other row strides."""
+    torch.manual_seed(11)
+    qkv = torch.randn(2, 390, 3, 4, 64, dtype=torch.bfloat16, device="cuda")
+    q = qkv[:, :, 0]
+    k = torch.randn(2, 390, 4, 64 + 32, dtype=torch.bfloat16, device="cuda")[..., :64]
+    v = torch.randn(2, 390, 8, 64, dtype=torch.bfloat16, device="cuda")[:, :, ::2]
+    assert k.stride(1) != v.stride(1) != q.stride(1)
+    _check(q, k, v, _args(64, causal=True, window_right=0))
+
+
+def test_fwd_offsets_beyond_4gib():
+    """K and V of more than 2^31 elements: batch 1 starts 4 GiB into each buffer."""
+    torch.manual_seed(5)
+    seqlen_k = (1 << 20) + 64
+    q = torch.randn(2, 70, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert k.numel() > 2**31
+    out, _ = _run(q, k, v, _args(128, causal=True, window_right=0))
+    # batch 1 only: the reference on 1M keys is cheap for 70 queries
+    args = _args(128, causal=True, window_right=0)
+    ref, _ = reference_attention(q[1:], k[1:], v[1:], args, compute_dtype=torch.float32)
+    ref_torch, _ = reference_attention(q[1:], k[1:], v[1:], args, compute_dtype=torch.bfloat16)
+    err = (out[1:].float() - ref).abs().max().item()
+    assert err <= 2 * (ref_torch.float() - ref).abs().max().item() + torch.finfo(torch.bfloat16).eps
+
+
+def test_fwd_writes_nothing_past_seqlen_q():
+    """A CTA whose rows are all past seqlen_q (varlen grid over max_seqlen_q) stores nothing."""
+    q, k, v, cu_q, cu_k = _varlen_batch([3, 300], [50, 50], 2, 2, 64, 64, torch.float16)
+    sentinel = torch.full((q.shape[0] + 64, 2, 64), 7.0, dtype=torch.float16, device="cuda")
+    out = sentinel[32 : 32 + q.shape[0]]
+    out.fill_(float("nan"))
+    lse = torch.full((2, q.shape[0]), float("nan"), dtype=torch.float32, device="cuda")
+    args = _args(64, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300, max_seqlen_k=50)
+    _backend().fwd(q, k, v, out, lse, args)
+    torch.cuda.synchronize()
+    assert (sentinel[:32] == 7).all() and (sentinel[32 + q.shape[0] :] == 7).all()
+    assert not out.isnan().any() and not lse.isnan().any()
+
+
+def test_disk_cache_serves_a_new_process(tmp_path):
+    """A second process loads the kernel from CUTE_FLASH_CACHE_DIR instead of compiling it, and it runs."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, math\n"
+        "import cute_flash.backends.cute as c\n"
+        "from cute_flash.backends.base import AttnArgs\n"
+        "from cute_flash.backends.reference import reference_attention\n"
+        "(_, source, _), = c.warmup([dict(dtype='float16', head_dim=64, head_dim_v=64, seqused_k=True)])\n"
+        "q, k, v = (torch.randn(2, 100, 2, 64, dtype=torch.float16, device='cuda') for _ in range(3))\n"
+        "args = AttnArgs(softmax_scale=0.125, seqused_k=torch.tensor([100, 37], dtype=torch.int32, device='cuda'))\n"
+        "out = torch.full_like(q, float('nan')); lse = torch.empty(2, 2, 100, device='cuda')\n"
+        "c.CuteSm80Backend().fwd(q, k, v, out, lse, args)\n"
+        "ref, _ = reference_attention(q, k, v, args)\n"
+        "print(source, (out.float() - ref).abs().max().item())\n"
+    )
+    env = dict(os.environ, CUTE_FLASH_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    (first, err_first), (second, err_second) = (run.stdout.split()[-2:] for run in runs)
+    assert (first, second) == ("compiled", "disk")
+    assert float(err_first) < 1e-2 and float(err_second) < 1e-2

@@ -1,0 +1,247 @@
+"""The sm_90 forward kernel (TMA + WGMMA) against the float64 oracle, on an H100/H200 (`pytest -m gpu`).
+
+Tolerance (DESIGN.md, `attention_oracle.check_forward`): max|out - ref| <= 2 * max|out_torch -
+ref| + atol. Outputs are poisoned with NaN before every call, and Q/K/V sit inside NaN-filled
+buffers (rows before and after, head-dim columns after) so that a TMA box reading past a
+tensor's bounds, or a tile that is never stored, shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attention_oracle import check_forward
+from cute_flash.backends.base import AttnArgs
+
+pytestmark = pytest.mark.gpu
+
+SEQLEN_PAIRS = [(1, 1), (1, 4097), (113, 203), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
+HEADDIMS = [64, 96, 128, 192, 256]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _backend():
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    backend = CuteSm90Backend()
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return backend
+
+
+def _randn_in_nan(shape, dtype, row_dim, pad_rows=67, pad_cols=8):
+    """A random tensor viewed inside a larger NaN buffer (rows around it, columns after it)."""
+    full = list(shape)
+    full[row_dim] += 2 * pad_rows
+    full[-1] += pad_cols
+    buf = torch.full(full, float("nan"), dtype=dtype, device="cuda")
+    index = [slice(None)] * len(shape)
+    index[row_dim] = slice(pad_rows, pad_rows + shape[row_dim])
+    index[-1] = slice(0, shape[-1])
+    view = buf[tuple(index)]
+    view.copy_(torch.randn(shape, dtype=dtype, device="cuda"))
+    return view
+
+
+def _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dv, dtype):
+    q = _randn_in_nan((batch, seqlen_q, nheads, d), dtype, row_dim=1, pad_rows=5)
+    k = _randn_in_nan((batch, seqlen_k, nheads_k, d), dtype, row_dim=1, pad_cols=8)
+    v = _randn_in_nan((batch, seqlen_k, nheads_k, dv), dtype, row_dim=1, pad_cols=24)
+    return q, k, v
+
+
+def _run(q, k, v, args: AttnArgs):
+    """(out, lse) of the kernel, both poisoned with NaN before the call."""
+    out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device="cuda")
+    lse_shape = (q.shape[1], q.shape[0]) if args.cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device="cuda")
+    _backend().fwd(q, k, v, out, lse, args)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _check(q, k, v, args: AttnArgs):
+    out, lse = _run(q, k, v, args)
+    check_forward(out, lse, q, k, v, args)
+
+
+def _args(d, causal=False, **kw):
+    return AttnArgs(softmax_scale=kw.pop("softmax_scale", 1.0 / math.sqrt(d)), causal=causal,
+                    window_right=0 if causal else kw.pop("window_right", -1), **kw)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", HEADDIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sm90_fwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seqlen_q, seqlen_k):
+    if seqlen_q * seqlen_k > 10**7 and d not in (64, 128, 256):
+        pytest.skip("the longest pair runs for head dims 64/128/256 only")
+    torch.manual_seed(seqlen_q * 7 + seqlen_k + d)
+    batch, nheads = (1, 2) if seqlen_q * seqlen_k > 10**6 else (3, 3)
+    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, nheads, d, d, dtype)
+    _check(q, k, v, _args(d, causal))
+
+
+@pytest.mark.parametrize("nheads,nheads_k", [(6, 2), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_fwd_gqa_and_mqa_share_kv_heads(nheads, nheads_k, causal):
+    torch.manual_seed(nheads * 10 + nheads_k)
+    q, k, v = _qkv(5, 257, 300, nheads, nheads_k, 128, 128, torch.bfloat16)
+    _check(q, k, v, _args(128, causal))
+
+
+@pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0), (200, 7)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024), (239, 1), (500, 130)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_fwd_sliding_window(d, seqlen_q, seqlen_k, window):
+    torch.manual_seed(sum(window) + seqlen_q + d)
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, 4, 4, d, d, torch.bfloat16)
+    _check(q, k, v, _args(d, window_left=window[0], window_right=window[1]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_fwd_softcap(d, causal):
+    torch.manual_seed(d)
+    q, k, v = _qkv(2, 333, 517, 3, 3, d, d, torch.bfloat16)
+    _check(q * 3, k, v, _args(d, causal, softcap=15.0))
+
+
+def _varlen_batch(seqlens_q, seqlens_k, nheads, nheads_k, d, dv, dtype):
+    cu_q = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(seqlens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = _randn_in_nan((int(cu_q[-1]), nheads, d), dtype, row_dim=0, pad_rows=5)
+    k = _randn_in_nan((int(cu_k[-1]), nheads_k, d), dtype, row_dim=0)
+    v = _randn_in_nan((int(cu_k[-1]), nheads_k, dv), dtype, row_dim=0, pad_cols=24)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("seqused", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_fwd_varlen_and_seqused_k(d, causal, seqused):
+    torch.manual_seed(d + causal)
+    seqlens_q = [1, 0, 113, 239, 1023, 64, 7]
+    seqlens_k = [1, 5, 203, 1, 1024, 64, 300]
+    q, k, v, cu_q, cu_k = _varlen_batch(seqlens_q, seqlens_k, 4, 2, d, d, torch.bfloat16)
+    used = torch.tensor([1, 0, 150, 1, 1000, 17, 299], dtype=torch.int32, device="cuda") if seqused else None
+    args = _args(d, causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q),
+                 max_seqlen_k=max(seqlens_k), seqused_k=used)
+    _check(q, k, v, args)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_fwd_seqused_k_in_batch_mode(causal):
+    torch.manual_seed(3)
+    q, k, v = _qkv(3, 200, 512, 2, 2, 128, 128, torch.float16)
+    used = torch.tensor([512, 1, 333], dtype=torch.int32, device="cuda")
+    _check(q, k, v, _args(128, causal, seqused_k=used))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_fwd_ignores_nan_keys_past_seqused_k(d, causal):
+    """A cache holding NaN past seqused_k (stale or never written) must not reach the output."""
+    torch.manual_seed(d + 1)
+    q, k, v = _qkv(3, 150, 512, 2, 2, d, d, torch.bfloat16)
+    used = [512, 77, 300]
+    for b, n in enumerate(used):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    used = torch.tensor(used, dtype=torch.int32, device="cuda")
+    _check(q, k, v, _args(d, causal, seqused_k=used))
+
+
+@pytest.mark.parametrize("d", [8, 40, 72, 120, 136, 200])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sm90_fwd_padded_headdims_read_no_padding(dtype, d):
+    torch.manual_seed(d)
+    q, k, v = _qkv(2, 301, 257, 3, 3, d, d, dtype)
+    _check(q, k, v, _args(d, True))
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (64, 128), (40, 96)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_fwd_headdim_v_differs(d, dv, causal):
+    torch.manual_seed(d + dv)
+    dtype = torch.bfloat16 if causal else torch.float16
+    q, k, v = _qkv(2, 211, 333, 4, 4, d, dv, dtype)
+    _check(q, k, v, _args(d, causal))
+
+
+def test_sm90_fwd_non_contiguous_inputs():
+    """q sliced out of a packed qkv tensor; k and v from separate buffers with other row strides."""
+    torch.manual_seed(11)
+    qkv = torch.randn(2, 390, 3, 4, 64, dtype=torch.bfloat16, device="cuda")
+    q = qkv[:, :, 0]
+    k = torch.randn(2, 390, 4, 64 + 32, dtype=torch.bfloat16, device="cuda")[..., :64]
+    v = torch.randn(2, 390, 8, 64, dtype=torch.bfloat16, device="cuda")[:, :, ::2]
+    assert len({q.stride(1), k.stride(1), v.stride(1)}) == 3
+    _check(q, k, v, _args(64, True))
+
+
+def test_sm90_fwd_offsets_beyond_4gib():
+    """K and V of more than 2^31 elements: batch 1 starts 4 GiB into each buffer."""
+    torch.manual_seed(5)
+    seqlen_k = (1 << 20) + 64
+    q = torch.randn(2, 70, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert k.numel() > 2**31
+    out, lse = _run(q, k, v, _args(128, True))
+    # batch 1 only: the oracle on 1M keys is cheap for 70 queries
+    check_forward(out[1:], lse[1:], q[1:], k[1:], v[1:], _args(128, True))
+
+
+def test_sm90_fwd_writes_nothing_past_seqlen_q():
+    """Varlen tiles past a sequence's end store nothing (the grid covers max_seqlen_q)."""
+    q, k, v, cu_q, cu_k = _varlen_batch([3, 300], [50, 50], 2, 2, 64, 64, torch.float16)
+    sentinel = torch.full((q.shape[0] + 64, 2, 64), 7.0, dtype=torch.float16, device="cuda")
+    out = sentinel[32 : 32 + q.shape[0]]
+    out.fill_(float("nan"))
+    lse = torch.full((2, q.shape[0]), float("nan"), dtype=torch.float32, device="cuda")
+    args = _args(64, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300, max_seqlen_k=50)
+    _backend().fwd(q, k, v, out, lse, args)
+    torch.cuda.synchronize()
+    assert (sentinel[:32] == 7).all() and (sentinel[32 + q.shape[0] :] == 7).all()
+    check_forward(out, lse, q, k, v, args)
+
+
+def test_sm90_fwd_batch_tiles_store_only_their_rows():
+    """A TMA store of a last, partial query block clips at seqlen_q: batch b+1's rows survive."""
+    torch.manual_seed(2)
+    q, k, v = _qkv(3, 200, 130, 2, 2, 128, 128, torch.bfloat16)
+    buf = torch.full((3, 200 + 56, 2, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    out = buf[:, :200]
+    out.fill_(float("nan"))
+    lse = torch.full((3, 2, 200), float("nan"), dtype=torch.float32, device="cuda")
+    args = _args(128)
+    _backend().fwd(q, k, v, out, lse, args)
+    torch.cuda.synchronize()
+    assert (buf[:, 200:] == 7).all()
+    check_forward(out, lse, q, k, v, args)
+
+
+@pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False)])
+def test_sm90_fwd_schedule_variants_agree(overlap, pingpong):
+    """The simpler schedules (no ping-pong; no intra-warpgroup overlap) give the same results."""
+    from dataclasses import replace
+
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    torch.manual_seed(9)
+    q, k, v = _qkv(2, 777, 901, 4, 4, 128, 128, torch.bfloat16)
+    args = _args(128, True)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 4, 777), float("nan"), dtype=torch.float32, device="cuda")
+    backend = CuteSm90Backend()
+    base = backend.config(q, k, v, lse, args)
+    fn, _ = backend.cache.get(replace(base, intra_wg_overlap=overlap, pingpong=pingpong), backend.arch())
+    backend.launch(fn, q, k, v, out, lse, args)
+    torch.cuda.synchronize()
+    check_forward(out, lse, q, k, v, args)

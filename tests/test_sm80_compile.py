@@ -1,0 +1,172 @@
+"""The sm_80 forward kernel on the CPU: its configuration table, the choice of configuration for
+a call, and compiles for sm_80 / sm_90a that must have no spills and the intended instructions.
+(The full list of shipped configurations is audited by `python -m cute_flash.audit`.)"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+
+from cute_flash.backends.base import AttnArgs  # noqa: E402
+from cute_flash.kernels.sm80 import fwd_config as fc  # noqa: E402
+
+A100_SMEM = 163 * 1024
+SM86_SMEM = 99 * 1024
+
+
+@pytest.mark.parametrize("headdim", fc.TILE_HEADDIMS)
+def test_tile_table_fits_shared_memory(headdim):
+    config = fc.make_config("bfloat16", headdim, headdim)
+    assert config.smem_bytes <= SM86_SMEM <= A100_SMEM
+    # every warp owns whole m16 MMA rows, and the copy threads tile the K/V rows exactly
+    assert config.tile_m % (16 * config.num_warps) == 0
+    assert config.tile_n % 16 == 0
+
+
+@pytest.mark.parametrize("d,tile", [(8, 32), (32, 32), (40, 64), (64, 64), (72, 96), (120, 128), (136, 192), (256, 256)])
+def test_headdims_pad_up_to_the_next_tile(d, tile):
+    config = fc.make_config("float16", d, d)
+    assert (config.head_dim, config.check_hdim, config.check_hdim_v) == (tile, d != tile, d != tile)
+
+
+def test_headdim_above_256_is_rejected():
+    with pytest.raises(ValueError, match="264"):
+        fc.make_config("float16", 264, 264)
+
+
+def test_headdim_v_tiles_apart_and_picks_the_larger_tile():
+    config = fc.make_config("bfloat16", 192, 128)
+    assert (config.head_dim, config.head_dim_v) == (192, 128)
+    assert (config.tile_m, config.tile_n, config.num_warps) == tuple(fc.TILES[192][:3])
+
+
+def test_config_is_a_hashable_cache_key_with_distinct_names():
+    configs = fc.shipped_configs()
+    assert len({c.name for c in configs}) == len(configs)
+    assert len(set(configs)) == len(configs)
+    assert fc.make_config("float16", 64, 64) == fc.make_config("float16", 64, 64)
+
+
+def test_config_names_tell_apart_every_flag():
+    from dataclasses import fields, replace
+
+    base = fc.make_config("bfloat16", 64, 64)
+    for f in fields(base):
+        if isinstance(getattr(base, f.name), bool):
+            assert replace(base, **{f.name: not getattr(base, f.name)}).name != base.name, f.name
+
+
+def test_causal_and_local_exclude_each_other():
+    with pytest.raises(ValueError, match="causal"):
+        fc.make_config("float16", 64, 64, causal=True, local=True)
+
+
+def _q(d=64, dtype=torch.float16):
+    return torch.empty(1, 1, 1, d, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (AttnArgs(0.1), {}),
+        (AttnArgs(0.1, causal=True, window_right=0), {"causal": True}),
+        (AttnArgs(0.1, causal=True, window_left=32, window_right=0), {"local": True}),
+        (AttnArgs(0.1, window_left=-1, window_right=16), {"local": True}),
+        (AttnArgs(0.1, softcap=30.0), {"softcap": True}),
+        (AttnArgs(0.1, seqused_k=torch.ones(1, dtype=torch.int32)), {"seqused_k": True}),
+    ],
+)
+def test_call_selects_config_flags(args, expected):
+    from cute_flash.backends.cute import CuteSm80Backend
+
+    q = _q()
+    config = CuteSm80Backend().config(q, q, q, torch.empty(1), args)
+    flags = {f: getattr(config, f) for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k")}
+    assert flags == {f: expected.get(f, False) for f in flags}
+
+
+def test_call_without_lse_compiles_a_kernel_without_it():
+    from cute_flash.backends.cute import CuteSm80Backend
+
+    q = _q(128, torch.bfloat16)
+    assert not CuteSm80Backend().config(q, q, q, None, AttnArgs(0.1)).has_lse
+    assert CuteSm80Backend().config(q, q, q, torch.empty(1), AttnArgs(0.1)).has_lse
+
+
+def test_backend_declares_only_what_it_implements():
+    from cute_flash.backends.base import FEATURES
+    from cute_flash.backends.cute import CuteSm80Backend
+
+    backend = CuteSm80Backend()
+    assert backend.name == "cute-sm80"
+    assert backend.features <= set(FEATURES)
+    assert not backend.features & {"paged_kv", "split_kv", "backward", "fp32"}
+
+
+# ------------------------------------------------------------------------------------------------
+# compiles (each a few seconds on one core)
+# ------------------------------------------------------------------------------------------------
+COMPILED = [
+    ("sm_80", fc.make_config("float16", 64, 64)),
+    ("sm_80", fc.make_config("bfloat16", 128, 128, causal=True, varlen_q=True, varlen_k=True, seqused_k=True)),
+    ("sm_80", fc.make_config("bfloat16", 40, 40, local=True, softcap=True)),
+    ("sm_80", fc.make_config("float16", 256, 256, causal=True)),
+    ("sm_90a", fc.make_config("bfloat16", 128, 128, causal=True)),
+]
+
+
+@pytest.mark.parametrize("arch,config", COMPILED, ids=[f"{a}-{c.name}" for a, c in COMPILED])
+def test_kernel_compiles_without_spills_using_ldgsts_ldsm_hmma(arch, config, tmp_path):
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    target = audit.AuditTarget(config.name, arch, lambda options: fc.compile_fwd(config, options))
+    row = audit.audit_target(target)
+    assert row.error is None, row.error
+    assert not row.spills, f"{row.spill_stores}/{row.spill_loads} bytes spilled, SASS {row.sass}"
+    for op in ("HMMA", "LDSM", "LDGSTS"):
+        assert row.sass[op] > 0, f"no {op} in the SASS: {row.sass}"
+    assert row.smem_dynamic is None or row.smem_dynamic >= config.smem_bytes
+
+
+def test_audit_targets_cover_every_shipped_config():
+    targets = fc.audit_targets("sm_80")
+    assert [t.name for t in targets] == [c.name for c in fc.shipped_configs()]
+    assert {t.arch for t in targets} == {"sm_80"}
+
+
+def test_warmup_compiles_once_then_serves_from_memory(tmp_path, monkeypatch):
+    from cute_flash import backends
+    from cute_flash.backends import cute
+
+    monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(backends._instances, "cute-sm80", cute.CuteSm80Backend())  # an empty cache
+    entry = dict(dtype="float16", head_dim=32, head_dim_v=32)
+    with warnings.catch_warnings():
+        # without CUDA libraries the DSL cannot export an object file; memory caching still works
+        warnings.simplefilter("ignore")
+        first = cute.warmup([entry], backend="cute-sm80", arch="sm_80")
+    second = cute.warmup([entry], backend="cute-sm80", arch="sm_80")
+    assert [r[1] for r in first + second] == ["compiled", "memory"]
+    assert first[0][0] == fc.make_config(**entry)
+
+
+def test_every_shipped_config_compiles_for_sm80_without_spills_with_hmma_ldsm_ldgsts():
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    rows = audit.audit("sm_80", modules=["cute_flash.kernels.sm80.fwd_config"])
+    assert len(rows) == len(fc.shipped_configs())
+    problems = [f"{row.name}: {row.error}" for row in rows if row.error is not None]
+    problems += [f"{row.name}: spills {row.spill_stores}/{row.spill_loads} bytes, SASS {row.sass}"
+                 for row in rows if row.error is None and row.spills]
+    problems += [f"{row.name}: {op} missing from the SASS" for row in rows if row.error is None
+                 for op in ("HMMA", "LDSM", "LDGSTS") if not row.sass[op]]
+    assert not problems, "\n".join(problems)

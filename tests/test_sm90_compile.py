@@ -1,0 +1,171 @@
+"""The sm_90 forward kernel on the CPU: its configuration table, the choice of configuration for
+a call, the WGMMA fragment identities the kernel relies on, and a compile of every shipped
+configuration for sm_90a: no spills, HGMMA, UTMALDG and setmaxnreg present."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+
+from cute_flash.backends.base import AttnArgs  # noqa: E402
+from cute_flash.kernels.sm90 import fwd_config as fc  # noqa: E402
+
+
+@pytest.mark.parametrize("headdim", fc.TILE_HEADDIMS)
+def test_sm90_tile_table_fits_h100_shared_memory_and_registers(headdim):
+    config = fc.make_config("bfloat16", headdim, headdim)
+    assert config.smem_bytes <= fc.SMEM_LIMIT
+    assert config.tile_m == 64 * config.num_consumer_wgs
+    consumer, producer = config.registers
+    assert 128 * producer + 128 * config.num_consumer_wgs * consumer <= 64 * 1024
+
+
+@pytest.mark.parametrize("d,tile", [(8, 64), (40, 64), (64, 64), (72, 96), (120, 128), (136, 192), (256, 256)])
+def test_sm90_headdims_pad_up_to_the_next_tile(d, tile):
+    assert fc.make_config("float16", d, d).head_dim == tile
+
+
+def test_sm90_config_rejects_impossible_choices():
+    with pytest.raises(ValueError, match="264"):
+        fc.make_config("float16", 264, 264)
+    with pytest.raises(ValueError, match="causal"):
+        fc.make_config("float16", 64, 64, causal=True, local=True)
+    with pytest.raises(ValueError, match="intra_wg_overlap"):
+        fc.make_config("float16", 64, 64, intra_wg_overlap=False, pingpong=True)
+
+
+def test_sm90_config_is_a_hashable_cache_key_with_distinct_names():
+    configs = fc.shipped_configs()
+    assert len({c.name for c in configs}) == len(configs) == len(set(configs))
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (AttnArgs(0.1), {}),
+        (AttnArgs(0.1, causal=True, window_right=0), {"causal": True}),
+        (AttnArgs(0.1, causal=True, window_left=32, window_right=0), {"local": True}),
+        (AttnArgs(0.1, window_left=-1, window_right=16), {"local": True}),
+        (AttnArgs(0.1, softcap=30.0), {"softcap": True}),
+        (AttnArgs(0.1, seqused_k=torch.ones(1, dtype=torch.int32)), {"seqused_k": True}),
+    ],
+)
+def test_sm90_call_selects_config_flags(args, expected):
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
+    config = CuteSm90Backend().config(q, q, q, torch.empty(1), args)
+    flags = {f: getattr(config, f) for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k")}
+    assert flags == {f: expected.get(f, False) for f in flags}
+    assert config.has_lse and not CuteSm90Backend().config(q, q, q, None, args).has_lse
+
+
+def test_sm90_backend_declares_only_what_it_implements():
+    from cute_flash.backends.base import FEATURES
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    backend = CuteSm90Backend()
+    assert backend.name == "cute-sm90"
+    assert backend.features <= set(FEATURES)
+    assert not backend.features & {"paged_kv", "split_kv", "backward", "fp32"}
+
+
+def test_sm90_backend_raises_for_paged_and_split_kv():
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    q = torch.empty(1, 1, 1, 64, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="paged_kv"):
+        CuteSm90Backend().fwd(q, q, q, q, None, AttnArgs(0.1, page_table=torch.zeros(1, 1, dtype=torch.int32)))
+    with pytest.raises(NotImplementedError, match="split_kv"):
+        CuteSm90Backend().fwd(q, q, q, q, None, AttnArgs(0.1, num_splits=2))
+
+
+# ------------------------------------------------------------------------------------------------
+# WGMMA fragment identities (trace time, no compile)
+# ------------------------------------------------------------------------------------------------
+def _fragment_mismatches(num_wgs: int, tile_n: int) -> int:
+    """Coordinates where the kernel's views disagree with the WGMMA accumulator / A layouts."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float32
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    from cute_flash.kernels.common.utils import acc_mn_view
+    from cute_flash.kernels.sm90.wgmma import acc_as_mma_sync
+
+    bad = []
+
+    def body():
+        bf16, K, MN = cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.MN
+        wgs = (num_wgs, 1, 1)
+        mma_qk = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K, K, Float32, wgs, (64, tile_n))
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            bf16, bf16, K, MN, Float32, wgs, (64, 128), a_source=warpgroup.OperandSource.RMEM
+        )
+        cS = cute.make_identity_tensor((64 * num_wgs, tile_n))
+        for t in (0, 1, 6, 37, 70, 101, 127) + tuple(128 * w + 45 for w in range(1, num_wgs)):
+            warp, lane, wg = t // 32 % 4, t % 32, t // 128
+            tScS = mma_qk.get_slice(t).partition_C(cS)
+            mn = acc_mn_view(acc_as_mma_sync(tScS))
+            # the m64nNk16 accumulator: rows 16 * warp + lane / 4 (+8), column pairs 2 * (lane % 4)
+            for r in range(cute.size(mn, mode=[0])):
+                for c in range(cute.size(mn, mode=[1])):
+                    want = (64 * wg + 16 * warp + lane // 4 + 8 * (r % 2), 8 * (c // 2) + 2 * (lane % 4) + c % 2)
+                    if tuple(mn[r, c]) != want:
+                        bad.append((t, r, c))
+            # P as the register A operand: element i of the A fragment is element i of S
+            tOcP = mma_pv.get_slice(t).partition_A(cS)
+            for i in range(cute.size(tScS)):
+                if tuple(tOcP[i]) != tuple(tScS[i]):
+                    bad.append((t, i))
+
+    @cute.jit
+    def trace():
+        body()
+
+    # the WGMMA atoms check the target arch while tracing: trace through a compile for sm_90a
+    cute.compile(trace, options="--gpu-arch sm_90a")
+    return len(bad)
+
+
+@pytest.mark.parametrize("num_wgs,tile_n", [(2, 128), (3, 128), (2, 96), (2, 64)])
+def test_sm90_wgmma_accumulator_rows_and_probabilities_as_operand_a(num_wgs, tile_n):
+    assert _fragment_mismatches(num_wgs, tile_n) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# compiles: every shipped configuration, in parallel processes
+# ------------------------------------------------------------------------------------------------
+def test_sm90_audit_targets_cover_every_shipped_config():
+    targets = fc.audit_targets("sm_90a")
+    assert [t.name for t in targets] == [c.name for c in fc.shipped_configs()]
+    assert fc.audit_targets("sm_80") == []
+
+
+def test_sm90_every_shipped_config_compiles_without_spills_with_hgmma_tma_and_setmaxnreg():
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    rows = audit.audit("sm_90a", modules=["cute_flash.kernels.sm90.fwd_config"])
+    assert len(rows) == len(fc.shipped_configs())
+    problems = []
+    for row, config in zip(rows, fc.shipped_configs()):
+        if row.error is not None:
+            problems.append(f"{row.name}: {row.error}")
+            continue
+        if row.spills:
+            problems.append(f"{row.name}: spills {row.spill_stores}/{row.spill_loads} bytes, SASS {row.sass}")
+        if not (row.sass["HGMMA"] and row.sass["UTMALDG"] and row.setmaxnreg):
+            problems.append(f"{row.name}: HGMMA/UTMALDG/setmaxnreg missing: {row.sass}, setmaxnreg={row.setmaxnreg}")
+        # the TMA store epilogue, except for varlen batches (predicated stores there)
+        if bool(row.sass["UTMASTG"]) == config.varlen_q:
+            problems.append(f"{row.name}: UTMASTG count {row.sass['UTMASTG']} with varlen_q={config.varlen_q}")
+        if row.smem_dynamic is not None and row.smem_dynamic > fc.SMEM_LIMIT:
+            problems.append(f"{row.name}: {row.smem_dynamic} bytes of shared memory")
+    assert not problems, "\n".join(problems)
