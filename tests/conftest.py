@@ -11,7 +11,12 @@ os.environ.setdefault("CUTE_FLASH_CACHE_DIR", tempfile.mkdtemp(prefix="cute_flas
 try:
     from hypothesis import HealthCheck, settings
 
-    settings.register_profile("ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    # Derandomized: the same examples on every run, so that CI is reproducible; HYPOTHESIS_PROFILE=explore
+    # draws new ones.
+    settings.register_profile(
+        "ci", max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    )
+    settings.register_profile("explore", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # hypothesis is in the test extra
     pass

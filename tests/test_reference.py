@@ -163,9 +163,11 @@ def test_backward_matches_autograd_of_naive(p):
     ref_out, ref_lse = _naive(p, q2, k2, v2)
     ref_loss = (ref_out * dout).sum() + (ref_lse.masked_fill(~live, 0) * dlse.double()).sum()
     ref_grads = torch.autograd.grad(ref_loss, (q2, k2, v2))
-    # P is recomputed from the float32 LSE, so the gradients carry float32-level error.
+    # P is recomputed from the float32 LSE: an error of |lse| * 2^-24 in the exponent, so the
+    # gradients carry float32-level error relative to their own scale.
     for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r.nan_to_num(0), atol=1e-5, rtol=1e-5)
+        r = r.nan_to_num(0)
+        torch.testing.assert_close(g, r, atol=2e-5 * max(1.0, r.abs().max().item()), rtol=1e-4)
 
 
 def test_varlen_backward_equals_each_sequence_alone():
