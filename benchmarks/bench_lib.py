@@ -1,0 +1,251 @@
+"""The pure parts of the benchmark: what a case is, the sweep, and how work is counted.
+
+Conventions (DESIGN.md, "Benchmarks"):
+- forward FLOPs = 4·b·h·sq·sk·d (2·b·h·sq·sk·(d + dv) when the value head dim differs), halved
+  for causal only when sq == sk (with sq != sk the bottom-right aligned mask keeps more than
+  half of the square, so halving would flatter the kernel);
+- forward + backward FLOPs = 3.5 × the forward's (the backward recomputes S = Q·Kᵀ and runs
+  four more GEMMs of the same size: 2.5 × the forward);
+- decode is memory-bound and reported as achieved bandwidth: the bytes of Q, K, V and O that
+  must cross HBM once, over the time. K and V are counted per KV head (GQA shares them
+  between query heads), and the same for a paged cache: only the pages holding the
+  sequence's keys are read, and the page table's few bytes are not counted.
+
+Nothing here touches a GPU; the CPU tests cover all of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+MODES = ("fwd", "fwd_bwd", "decode")
+MODE_TITLES = {"fwd": "forward", "fwd_bwd": "forward + backward", "decode": "decode (seqlen_q = 1)"}
+FWD_BWD_FACTOR = 3.5
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_size(text: str) -> int:
+    """'16k' -> 16384, '2048' -> 2048 (k = 1024)."""
+    text = text.strip().lower()
+    if text.endswith("k"):
+        return int(text[:-1]) * 1024
+    return int(text)
+
+
+def parse_sizes(text: str) -> tuple:
+    return tuple(parse_size(t) for t in text.split(",") if t.strip())
+
+
+def format_size(n: int) -> str:
+    """16384 -> '16k', 1000 -> '1000'."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape of one mode. `page_size` 0 means a contiguous KV cache."""
+
+    mode: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    causal: bool
+    dtype: str
+    headdim_v: Optional[int] = None
+    page_size: int = 0
+
+    @property
+    def dv(self) -> int:
+        return self.headdim if self.headdim_v is None else self.headdim_v
+
+    @property
+    def layout(self) -> str:
+        return f"paged {self.page_size}" if self.page_size else "contiguous"
+
+    def describe(self) -> str:
+        if self.mode == "decode":
+            return (f"decode b={self.batch} kv={format_size(self.seqlen_k)} h={self.nheads}/{self.nheads_k} "
+                    f"d={self.headdim} {self.layout}")
+        return (f"{self.mode} d={self.headdim} {'causal' if self.causal else 'non-causal'} "
+                f"seqlen={format_size(self.seqlen_q)} b={self.batch} h={self.nheads}")
+
+
+def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int, causal: bool,
+                    headdim_v: Optional[int] = None) -> float:
+    """Forward FLOPs: two GEMMs, Q·Kᵀ and P·V; causal halves them only when sq == sk."""
+    dv = headdim if headdim_v is None else headdim_v
+    flops = 2.0 * batch * nheads * seqlen_q * seqlen_k * (headdim + dv)
+    return flops / 2 if causal and seqlen_q == seqlen_k else flops
+
+
+def case_flops(case: Case) -> float:
+    flops = attention_flops(case.batch, case.nheads, case.seqlen_q, case.seqlen_k, case.headdim, case.causal,
+                            case.dv)
+    return flops * FWD_BWD_FACTOR if case.mode == "fwd_bwd" else flops
+
+
+def decode_bytes(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int, headdim: int,
+                 headdim_v: Optional[int], element_size: int) -> float:
+    """Bytes moved by one decode step: K and V once per KV head (paged or not), Q read, O written."""
+    dv = headdim if headdim_v is None else headdim_v
+    kv = batch * seqlen_k * nheads_k * (headdim + dv)
+    qo = batch * seqlen_q * nheads * (headdim + dv)
+    return float((kv + qo) * element_size)
+
+
+def case_bytes(case: Case) -> float:
+    element_size = torch.empty((), dtype=DTYPES[case.dtype]).element_size()
+    return decode_bytes(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim,
+                        case.dv, element_size)
+
+
+def metric(case: Case) -> tuple:
+    """(name, unit) of what the tables report for this case's mode."""
+    return ("bandwidth", "TB/s") if case.mode == "decode" else ("throughput", "TFLOP/s")
+
+
+def throughput(case: Case, seconds: float) -> float:
+    """TB/s for decode, TFLOP/s otherwise."""
+    work = case_bytes(case) if case.mode == "decode" else case_flops(case)
+    return work / seconds / 1e12
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What to run. Forward modes keep batch·seqlen = total_tokens and nheads·headdim = hidden."""
+
+    modes: Sequence[str] = MODES
+    headdims: Sequence[int] = (64, 128, 256)
+    seqlens: Sequence[int] = (1024, 2048, 4096, 8192, 16384)
+    causal: Sequence[bool] = (False, True)
+    dtype: str = "bf16"
+    total_tokens: int = 16384
+    hidden: int = 2048
+    decode_batches: Sequence[int] = (1, 4, 16, 64, 128)
+    decode_seqlens: Sequence[int] = (1024, 2048, 4096, 8192, 16384, 32768)
+    decode_nheads: int = 32
+    decode_nheads_k: int = 8
+    decode_headdim: int = 128
+    page_sizes: Sequence[int] = (0, 64)
+
+
+QUICK = dict(headdims=(128,), seqlens=(2048, 8192), decode_batches=(1, 16, 128), decode_seqlens=(2048, 8192))
+
+
+def build_cases(sweep: Sweep) -> list:
+    """Every case of the sweep, in the order it runs (and is tabulated)."""
+    cases = []
+    for mode in sweep.modes:
+        if mode == "decode":
+            for page_size in sweep.page_sizes:
+                for batch in sweep.decode_batches:
+                    for seqlen_k in sweep.decode_seqlens:
+                        if page_size and seqlen_k % page_size:
+                            continue
+                        cases.append(Case("decode", batch, 1, seqlen_k, sweep.decode_nheads, sweep.decode_nheads_k,
+                                          sweep.decode_headdim, False, sweep.dtype, page_size=page_size))
+            continue
+        for headdim in sweep.headdims:
+            if sweep.hidden % headdim:
+                raise ValueError(f"hidden ({sweep.hidden}) must be a multiple of every head dim; got {headdim}")
+            for causal in sweep.causal:
+                for seqlen in sweep.seqlens:
+                    batch = max(1, sweep.total_tokens // seqlen)
+                    nheads = sweep.hidden // headdim
+                    cases.append(Case(mode, batch, seqlen, seqlen, nheads, nheads, headdim, causal, sweep.dtype))
+    return cases
+
+
+# ---- results -------------------------------------------------------------------------------
+
+OK, WRONG, ERROR, OOM, NOT_APPLICABLE, NOT_RUN = "ok", "wrong", "error", "oom", "n/a", "not run"
+
+
+@dataclass
+class Result:
+    """One provider on one case. `value` (TFLOP/s or TB/s) is set only when status is ok."""
+
+    case: Case
+    provider: str
+    status: str
+    ms: Optional[float] = None
+    value: Optional[float] = None
+    max_err: Optional[float] = None
+    tolerance: Optional[float] = None
+    message: str = ""
+    wall_s: Optional[float] = None  # the cell's wall time: check, compile and timing
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["case"] = asdict(self.case)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Result":
+        d = dict(d)
+        d["case"] = Case(**d["case"])
+        return cls(**d)
+
+
+@dataclass
+class Provider:
+    """A way to run attention, as the report sees it: a name and whether it is cute_flash's."""
+
+    name: str
+    cute_flash: bool
+    description: str = ""
+    skipped: Optional[str] = None  # why it does not run here (None = it runs)
+
+
+def complete_cases(results: Iterable[Result], providers: Sequence[str]) -> dict:
+    """{case: its results for `providers`} of the cases that every one of them measured (any
+    status but 'not run'): what a resumed run keeps, so that each row still comes from one process."""
+    by_case: dict = {}
+    for r in results:
+        if r.status != NOT_RUN and r.provider in providers:
+            by_case.setdefault(r.case, {})[r.provider] = r
+    return {case: [cells[p] for p in providers] for case, cells in by_case.items() if set(providers) <= set(cells)}
+
+
+def best(results: Iterable[Result], cute_flash_names: set, cute_flash: bool) -> Optional[Result]:
+    """The fastest correct result among cute_flash's providers (or among the peers)."""
+    ok = [r for r in results if r.status == OK and (r.provider in cute_flash_names) == cute_flash]
+    return max(ok, key=lambda r: r.value, default=None)
+
+
+def ratio(results: Iterable[Result], cute_flash_names: set) -> Optional[float]:
+    """Best cute_flash backend over best peer, or None when either side has no correct result."""
+    results = list(results)
+    ours, theirs = best(results, cute_flash_names, True), best(results, cute_flash_names, False)
+    if ours is None or theirs is None:
+        return None
+    return ours.value / theirs.value
+
+
+# ---- correctness --------------------------------------------------------------------------
+
+
+def rounding_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """Twice the rounding error of `dtype` at magnitude 0.3, measured on the reference's values
+    (FlashAttention's tests use the same slack): a floor for outputs whose torch error is ~0."""
+    r = ref.to(dtype)
+    return 2.0 * ((r + 0.3 - 0.3) - r).abs().max().item()
+
+
+def within_tolerance(out: torch.Tensor, ref: torch.Tensor, out_torch: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """DESIGN.md's rule: max|out − ref| ≤ 2·max|out_torch − ref| + atol.
+
+    `ref` is the float32 oracle, `out_torch` the same attention in plain torch in `dtype`.
+    Returns (passed, max_err, tolerance); a NaN anywhere fails.
+    """
+    ref = ref.float()
+    err = (out.float() - ref).abs().max().item()
+    tol = 2.0 * (out_torch.float() - ref).abs().max().item() + rounding_atol(ref, dtype)
+    return (not math.isnan(err)) and err <= tol, err, tol

@@ -1,0 +1,297 @@
+"""CPU tests of the benchmark's pure parts: FLOP and byte conventions, the sweep, the tolerance
+rule, the table / JSON / plot writers on synthetic results, and the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_attention  # noqa: E402
+import bench_lib as bl  # noqa: E402
+import bench_oracle  # noqa: E402
+import bench_report as report  # noqa: E402
+
+pytest.importorskip("matplotlib")
+
+
+def test_forward_flops_is_4_b_h_sq_sk_d():
+    assert bl.attention_flops(2, 16, 4096, 4096, 128, causal=False) == 4 * 2 * 16 * 4096 * 4096 * 128
+
+
+def test_causal_halves_flops_only_when_seqlens_are_equal():
+    full = bl.attention_flops(2, 16, 4096, 4096, 128, causal=False)
+    assert bl.attention_flops(2, 16, 4096, 4096, 128, causal=True) == full / 2
+    assert bl.attention_flops(2, 16, 1024, 4096, 128, causal=True) == bl.attention_flops(2, 16, 1024, 4096, 128,
+                                                                                        causal=False)
+
+
+def test_flops_with_a_different_value_head_dim_count_each_gemm():
+    assert bl.attention_flops(1, 1, 10, 20, 192, causal=False, headdim_v=128) == 2 * 10 * 20 * (192 + 128)
+
+
+def test_forward_backward_flops_are_3_5_times_forward():
+    fwd = bl.Case("fwd", 4, 2048, 2048, 16, 16, 128, True, "bf16")
+    both = bl.Case("fwd_bwd", 4, 2048, 2048, 16, 16, 128, True, "bf16")
+    assert bl.case_flops(both) == 3.5 * bl.case_flops(fwd) == 3.5 * 4 * 4 * 16 * 2048 * 2048 * 128 / 2
+
+
+def test_decode_bytes_count_kv_per_kv_head():
+    # q, o: 32 heads; k, v: 8 KV heads (GQA shares them, they are read once)
+    got = bl.decode_bytes(batch=4, seqlen_q=1, seqlen_k=8192, nheads=32, nheads_k=8, headdim=128, headdim_v=None,
+                          element_size=2)
+    assert got == 2 * (4 * 8192 * 8 * 128 * 2 + 4 * 1 * 32 * 128 * 2)
+
+
+def test_decode_bytes_are_the_same_paged_or_contiguous():
+    contiguous = bl.Case("decode", 16, 1, 4096, 32, 8, 128, False, "bf16")
+    paged = bl.Case("decode", 16, 1, 4096, 32, 8, 128, False, "bf16", page_size=64)
+    assert bl.case_bytes(paged) == bl.case_bytes(contiguous) == bl.decode_bytes(16, 1, 4096, 32, 8, 128, None, 2)
+
+
+def test_throughput_units_are_tflops_and_tbs():
+    fwd = bl.Case("fwd", 1, 1024, 1024, 1, 1, 128, False, "bf16")
+    assert bl.throughput(fwd, 1e-3) == pytest.approx(4 * 1024 * 1024 * 128 / 1e-3 / 1e12)
+    dec = bl.Case("decode", 1, 1, 1024, 32, 8, 128, False, "fp16")
+    assert bl.throughput(dec, 1e-3) == pytest.approx(bl.case_bytes(dec) / 1e-3 / 1e12)
+
+
+def test_default_sweep_keeps_tokens_and_hidden_constant():
+    cases = bl.build_cases(bl.Sweep(modes=("fwd",)))
+    assert len(cases) == 3 * 2 * 5
+    for c in cases:
+        assert c.batch * c.seqlen_q == 16384 and c.nheads * c.headdim == 2048 and c.dtype == "bf16"
+
+
+def test_decode_sweep_shapes_and_layouts():
+    cases = bl.build_cases(bl.Sweep(modes=("decode",)))
+    assert {(c.nheads, c.nheads_k, c.headdim, c.seqlen_q) for c in cases} == {(32, 8, 128, 1)}
+    assert {c.batch for c in cases} == {1, 4, 16, 64, 128}
+    assert {c.seqlen_k for c in cases} == {1024 * 2**i for i in range(6)}
+    assert {c.page_size for c in cases} == {0, 64}
+    assert len(cases) == 2 * 5 * 6
+
+
+def test_sizes_parse_with_k_suffix():
+    assert bl.parse_sizes("1k,2048, 16k") == (1024, 2048, 16384)
+    assert bl.format_size(16384) == "16k" and bl.format_size(1000) == "1000"
+
+
+def test_resume_keeps_only_cases_every_provider_measured():
+    a, b, c = _synthetic()[0].case, _synthetic()[4].case, _synthetic()[8].case
+    kept = bl.complete_cases(_synthetic(), ["cute-sm90", "cute-sm80", "sdpa-flash", "fa4"])
+    assert set(kept) == {a, b}  # c has a 'not run' cell: it runs again, whole
+    assert [r.provider for r in kept[b]] == ["cute-sm90", "cute-sm80", "sdpa-flash", "fa4"]
+    assert [r.status for r in kept[b]] == [bl.WRONG, bl.OK, bl.ERROR, bl.OK]
+    assert set(bl.complete_cases(_synthetic(), ["cute-sm90", "sdpa-flash"])) == {a, b, c}
+    assert bl.complete_cases(_synthetic(), ["cute-sm90", "fa3"]) == {}  # a provider new to this run
+
+
+def test_tolerance_rule_passes_within_twice_torch_error_and_fails_beyond():
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 8, generator=gen) * 0.1
+    out_torch = ref.to(torch.bfloat16)
+    torch_err = (out_torch.float() - ref).abs().max().item()
+    close = ref + torch_err * 1.5
+    passed, err, tol = bl.within_tolerance(close, ref, out_torch, torch.bfloat16)
+    assert passed and tol >= 2 * torch_err and err == pytest.approx(1.5 * torch_err, rel=1e-3)
+    far = ref.clone()
+    far[3, 3] += 10 * tol
+    assert not bl.within_tolerance(far, ref, out_torch, torch.bfloat16)[0]
+
+
+def test_tolerance_rule_fails_on_nan():
+    ref = torch.zeros(4, 4) + 0.25
+    out = ref.clone()
+    out[0, 0] = float("nan")
+    assert not bl.within_tolerance(out, ref, ref.to(torch.float16), torch.float16)[0]
+
+
+# ---- the oracle check (device-agnostic: runs on CPU tensors too) ------------------------------
+
+
+def _qkv(case: bl.Case, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = bl.DTYPES[case.dtype]
+    shape_k = (case.batch, case.seqlen_k, case.nheads_k, case.headdim)
+    return (torch.randn(case.batch, case.seqlen_q, case.nheads, case.headdim, generator=gen, dtype=dtype),
+            torch.randn(shape_k, generator=gen, dtype=dtype), torch.randn(shape_k, generator=gen, dtype=dtype))
+
+
+def test_oracle_accepts_plain_attention_and_rejects_a_perturbed_output():
+    case = bl.Case("fwd", 2, 96, 96, 6, 6, 32, True, "bf16")
+    q, k, v = _qkv(case)
+    oracle = bench_oracle.Oracle(case, q, k, v)
+    out = bench_oracle.torch_attention(q, k, v, True, 32 ** -0.5)
+    assert oracle.check(out)[0]
+    bad = out.clone()
+    bad[0, 50, 1, 3] += 0.1  # inside the checked slice: first sequence, first 4 heads
+    passed, err, tol, what = oracle.check(bad)
+    assert not passed and what == "out" and err > tol
+    unwritten = out.clone()
+    unwritten[0, -1, 0, 0] = float("nan")
+    assert not oracle.check(unwritten)[0]
+
+
+def test_oracle_checks_every_gradient():
+    case = bl.Case("fwd_bwd", 1, 64, 64, 2, 2, 32, False, "bf16")
+    q, k, v = (t.requires_grad_(True) for t in _qkv(case))
+    dout = torch.randn(1, 64, 2, 32, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+    oracle = bench_oracle.Oracle(case, q, k, v, dout)
+    out = bench_oracle.torch_attention(q, k, v, False, 32 ** -0.5)
+    out.backward(dout)
+    grads = [q.grad, k.grad, v.grad]
+    assert oracle.check(out.detach(), grads)[0]
+    wrong_dk = [grads[0], grads[1] * 1.1, grads[2]]
+    passed, _, _, what = oracle.check(out.detach(), wrong_dk)
+    assert not passed and what == "dk"
+
+
+def test_oracle_checks_a_paged_gqa_decode_through_its_page_table():
+    case = bl.Case("decode", 3, 1, 128, 8, 2, 32, False, "fp16", page_size=32)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 1, 8, 32, generator=gen, dtype=torch.float16)
+    k, v = (torch.randn(12, 32, 2, 32, generator=gen, dtype=torch.float16) for _ in range(2))
+    page_table = torch.randperm(12, generator=gen).to(torch.int32).view(3, 4)
+    oracle = bench_oracle.Oracle(case, q, k, v, page_table=page_table)
+    gathered_k, gathered_v = (t[page_table.long()].flatten(1, 2) for t in (k, v))
+    out = bench_oracle.torch_attention(q, gathered_k, gathered_v, False, 32 ** -0.5)
+    assert oracle.check(out)[0]
+    in_pool_order = bench_oracle.torch_attention(q, k.view(3, 128, 2, 32), v.view(3, 128, 2, 32), False, 32 ** -0.5)
+    assert not oracle.check(in_pool_order)[0]  # pages read without the page table are caught
+
+
+# ---- writers on synthetic results ----------------------------------------------------------
+
+PROVIDERS = [
+    bl.Provider("cute-sm90", True, "sm_90 kernels"),
+    bl.Provider("cute-sm80", True, "sm_80 kernels"),
+    bl.Provider("sdpa-flash", False, "SDPA flash"),
+    bl.Provider("fa4", False, "flash-attn-4"),
+    bl.Provider("fa2", False, "FlashAttention-2", skipped="not installed"),
+]
+
+
+def _synthetic() -> list:
+    """Made-up values (never shown anywhere): two forward rows, one decode row, every status."""
+    a = bl.Case("fwd", 8, 2048, 2048, 16, 16, 128, False, "bf16")
+    b = bl.Case("fwd", 2, 8192, 8192, 16, 16, 128, True, "bf16")
+    d = bl.Case("decode", 16, 1, 8192, 32, 8, 128, False, "bf16", page_size=64)
+    R = bl.Result
+    return [
+        R(a, "cute-sm90", bl.OK, 1.0, 300.0), R(a, "cute-sm80", bl.OK, 1.0, 200.0),
+        R(a, "sdpa-flash", bl.OK, 1.0, 150.0), R(a, "fa4", bl.OK, 1.0, 250.0),
+        R(b, "cute-sm90", bl.WRONG, message="out: max error 1 > tolerance 0.01"), R(b, "cute-sm80", bl.OK, 1.0, 100.0),
+        R(b, "sdpa-flash", bl.ERROR, message="RuntimeError: boom"), R(b, "fa4", bl.OK, 1.0, 400.0),
+        R(d, "cute-sm90", bl.OK, 1.0, 3.0), R(d, "cute-sm80", bl.OOM, message="OutOfMemoryError: CUDA out of memory"),
+        R(d, "sdpa-flash", bl.NOT_APPLICABLE, message="no paged KV cache"), R(d, "fa4", bl.NOT_RUN, message="time"),
+    ]
+
+
+def test_ratio_is_best_cute_flash_over_best_peer():
+    rows = report.group_rows(_synthetic(), "fwd")
+    names = {p.name for p in PROVIDERS if p.cute_flash}
+    assert bl.ratio(rows[0][1].values(), names) == pytest.approx(300 / 250)
+    assert bl.ratio(rows[1][1].values(), names) == pytest.approx(100 / 400)  # the wrong cute-sm90 is not a result
+    decode = report.group_rows(_synthetic(), "decode")
+    assert bl.ratio(decode[0][1].values(), names) is None  # no correct peer
+
+
+def test_markdown_table_has_a_row_per_shape_and_the_ratio():
+    text = report.render_table(_synthetic(), PROVIDERS, "fwd")
+    lines = text.splitlines()
+    assert lines[0] == "### forward (TFLOP/s)"
+    header = lines[2]
+    assert "cute-sm90" in header and "fa4" in header and "fa2" not in header  # skipped: no column
+    assert header.rstrip(" |").endswith("cute_flash / best peer")
+    row_a = next(line for line in lines if line.startswith("| 128 | no | 2k"))
+    assert "**300.0**" in row_a and "150.0" in row_a and row_a.rstrip(" |").endswith("1.20×")
+    row_b = next(line for line in lines if line.startswith("| 128 | yes | 8k"))
+    assert "wrong [" in row_b and "error [" in row_b and "**400.0**" in row_b and row_b.rstrip(" |").endswith("0.25×")
+    assert any("RuntimeError: boom" in line for line in lines)  # footnote with the error
+
+
+def test_markdown_decode_table_reports_tbs_and_no_ratio_without_peers():
+    text = report.render_table(_synthetic(), PROVIDERS, "decode")
+    assert text.splitlines()[0] == "### decode (seqlen_q = 1) (TB/s)"
+    row = next(line for line in text.splitlines() if line.startswith("| 16 | 8k | paged 64"))
+    assert "**3.00**" in row and "OOM [" in row and "n/a [" in row and "not run [" in row
+    assert row.rstrip(" |").endswith("–")
+
+
+def test_markdown_report_records_versions_command_and_skipped_providers():
+    meta = {"gpu": "GPU X", "driver": "1.2", "torch": "2.x", "nvidia-cutlass-dsl": "4.8.1", "command": "python b.py"}
+    text = report.render_markdown(meta, PROVIDERS, _synthetic(), ["run-fwd.png"])
+    for needle in ("GPU X", "driver: 1.2", "nvidia-cutlass-dsl: 4.8.1", "`python b.py`", "`fa2`", "not installed",
+                   "### forward (TFLOP/s)", "### decode", "![run-fwd](run-fwd.png)"):
+        assert needle in text
+    assert "forward + backward" not in text.split("## Providers")[1]  # no fwd_bwd results, no table
+
+
+def test_json_round_trips(tmp_path):
+    meta = {"gpu": "GPU X", "notes": ["a note"]}
+    path = tmp_path / "r.json"
+    report.write_json(path, meta, PROVIDERS, _synthetic())
+    meta2, providers2, results2 = report.read_json(path)
+    assert meta2 == meta and providers2 == PROVIDERS and results2 == _synthetic()
+
+
+def test_plots_are_pngs_one_per_mode_with_results(tmp_path):
+    written = report.write_plots(_synthetic(), PROVIDERS, tmp_path / "run")
+    assert [p.name for p in written] == ["run-fwd.png", "run-decode.png"]
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / "bench_attention.py"), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_help():
+    r = _cli("--help")
+    assert r.returncode == 0
+    for option in ("--modes", "--headdims", "--seqlens", "--causal", "--providers", "--dtype", "--total-tokens",
+                   "--hidden", "--warmup", "--rep", "--out-dir", "--dry-run", "--quick"):
+        assert option in r.stdout
+
+
+def test_cli_dry_run_lists_the_default_sweep(capsys):
+    assert bench_attention.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("120 cases x 10 providers")
+    assert "fwd d=64 non-causal seqlen=1k b=16 h=32" in out
+    assert "decode b=128 kv=32k h=32/8 d=128 paged 64" in out
+
+
+def test_cli_dry_run_filters_and_quick(capsys):
+    argv = ["--dry-run", "--quick", "--modes", "fwd", "--causal", "yes", "--providers", "cute-sm90,fa4"]
+    assert bench_attention.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2 cases x 2 providers")
+    assert "fwd d=128 causal seqlen=2k b=8 h=16" in out and "fwd d=128 causal seqlen=8k b=2 h=16" in out
+
+
+def test_cli_quick_keeps_explicit_options():
+    args = bench_attention.parse_args(["--quick", "--headdims", "64", "--page-sizes", "0"])
+    assert args.headdims == (64,) and args.seqlens == (2048, 8192) and args.page_sizes == (0,)
+
+
+def test_cli_rejects_an_unknown_provider(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_attention.parse_args(["--providers", "nope"])
+    assert exit_info.value.code == 2 and "unknown mode or provider: nope" in capsys.readouterr().err
+
+
+def test_recorded_command_leaves_out_where_files_go_and_come_from():
+    argv = ["--quick", "--out-dir", "/some/where", "--modes=fwd", "--out-dir=/x", "--resume", "r.json"]
+    assert bench_attention.command_line(argv) == "python benchmarks/bench_attention.py --quick --modes=fwd"
