@@ -17,6 +17,35 @@ from cute_flash.backends.reference import reference_attention, reference_attenti
 
 ATOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 1e-5}
 
+# (seqlen_q, seqlen_k) pairs every kernel is checked on: single rows, tails on both sides,
+# seqlen_q above and below seqlen_k (bottom-right causal), and a long pair off the tile grid.
+SEQLEN_PAIRS = [(1, 1), (1, 4097), (113, 203), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
+
+
+def randn_in_nan(shape, dtype, row_dim=1, pad_rows=67, pad_cols=8, device="cuda"):
+    """A random tensor viewed inside a larger NaN buffer (rows around it, columns after it), so
+    that a read past its rows or head dim shows up as NaN in whatever consumed it."""
+    full = list(shape)
+    full[row_dim] += 2 * pad_rows
+    full[-1] += pad_cols
+    buf = torch.full(full, float("nan"), dtype=dtype, device=device)
+    index = [slice(None)] * len(shape)
+    index[row_dim] = slice(pad_rows, pad_rows + shape[row_dim])
+    index[-1] = slice(0, shape[-1])
+    view = buf[tuple(index)]
+    view.copy_(torch.randn(shape, dtype=dtype, device=device))
+    return view
+
+
+def run_forward(backend, q, k, v, args: AttnArgs):
+    """(out, lse) of `backend.fwd`, both poisoned with NaN before the call."""
+    out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    lse_shape = (q.shape[1], q.shape[0]) if args.cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device=q.device)
+    backend.fwd(q, k, v, out, lse, args)
+    torch.cuda.synchronize()
+    return out, lse
+
 
 def assert_within_rule(name: str, x: torch.Tensor, ref: torch.Tensor, ref_torch: torch.Tensor) -> None:
     assert not x.isnan().any(), f"{name}: {int(x.isnan().sum())} NaN (unwritten or read out of bounds)"

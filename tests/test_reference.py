@@ -1,8 +1,6 @@
 """The reference backend against a naive float64 softmax(QKᵀ)V, through the public API."""
 
 import math
-import random
-import resource
 import subprocess
 import sys
 

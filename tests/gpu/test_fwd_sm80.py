@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
+from attention_oracle import SEQLEN_PAIRS, check_forward, randn_in_nan, run_forward
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention
 
 pytestmark = pytest.mark.gpu
 
-SEQLEN_PAIRS = [(1, 1), (1, 4097), (113, 203), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
 HEADDIMS = [32, 64, 96, 128, 192, 256]
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -33,60 +33,23 @@ def _backend():
     return backend
 
 
-def _randn_in_nan(shape, dtype, pad_rows=0, row_dim=1, pad_cols=0):
-    """A random tensor that is a view into a larger NaN buffer (rows around it, columns after)."""
-    full = list(shape)
-    full[row_dim] += 2 * pad_rows
-    full[-1] += pad_cols
-    buf = torch.full(full, float("nan"), dtype=dtype, device="cuda")
-    index = [slice(None)] * len(shape)
-    index[row_dim] = slice(pad_rows, pad_rows + shape[row_dim])
-    index[-1] = slice(0, shape[-1])
-    view = buf[tuple(index)]
-    view.copy_(torch.randn(shape, dtype=dtype, device="cuda"))
-    return view
-
-
 def _kv(batch, seqlen_k, nheads_k, d, dv, dtype, varlen=False):
     if varlen:
         shape_k, shape_v, row_dim = (seqlen_k, nheads_k, d), (seqlen_k, nheads_k, dv), 0
     else:
         shape_k, shape_v, row_dim = (batch, seqlen_k, nheads_k, d), (batch, seqlen_k, nheads_k, dv), 1
-    k = _randn_in_nan(shape_k, dtype, pad_rows=67, row_dim=row_dim, pad_cols=8)
-    v = _randn_in_nan(shape_v, dtype, pad_rows=67, row_dim=row_dim, pad_cols=24)
+    k = randn_in_nan(shape_k, dtype, row_dim=row_dim, pad_rows=67, pad_cols=8)
+    v = randn_in_nan(shape_v, dtype, row_dim=row_dim, pad_rows=67, pad_cols=24)
     return k, v
 
 
 def _run(q, k, v, args: AttnArgs):
-    """(out, lse) of the kernel, both poisoned with NaN before the call."""
-    out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device="cuda")
-    lse_shape = (q.shape[1], q.shape[0]) if args.cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
-    lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device="cuda")
-    _backend().fwd(q, k, v, out, lse, args)
-    torch.cuda.synchronize()
-    return out, lse
+    return run_forward(_backend(), q, k, v, args)
 
 
 def _check(q, k, v, args: AttnArgs):
     out, lse = _run(q, k, v, args)
-    ref, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
-    ref_torch, _ = reference_attention(q, k, v, args, compute_dtype=q.dtype)
-    assert not out.isnan().any(), f"{int(out.isnan().sum())} NaN outputs (unwritten or out-of-bounds read)"
-    err = (out.float() - ref).abs().max().item()
-    err_torch = (ref_torch.float() - ref).abs().max().item()
-    atol = torch.finfo(q.dtype).eps
-    assert err <= 2 * err_torch + atol, f"max|out - ref| = {err:.3e}, torch in {q.dtype}: {err_torch:.3e}"
-    # LSE: float32 from fp32 scores; rows with no visible key are -inf on both sides
-    masked = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), masked), "fully masked rows must have LSE -inf (and only they)"
-    assert not lse.isnan().any()
-    lse_err = (lse[~masked] - ref_lse[~masked]).abs()
-    assert lse_err.numel() == 0 or (lse_err <= 1e-3 + 1e-4 * ref_lse[~masked].abs()).all(), (
-        f"max LSE error {lse_err.max().item():.3e}"
-    )
-    if masked.any():  # rows with no visible key: output exactly 0
-        rows = masked.transpose(-1, -2) if args.cu_seqlens_q is not None else masked.transpose(1, 2)
-        assert (out[rows] == 0).all()
+    check_forward(out, lse, q, k, v, args)
     return out, lse
 
 
@@ -139,7 +102,7 @@ def test_fwd_softcap(d, causal):
 def _varlen_batch(seqlens_q, seqlens_k, nheads, nheads_k, d, dv, dtype):
     cu_q = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + list(torch.tensor(seqlens_k).cumsum(0)), dtype=torch.int32, device="cuda")
-    q = _randn_in_nan((int(cu_q[-1]), nheads, d), dtype, pad_rows=5, row_dim=0)
+    q = randn_in_nan((int(cu_q[-1]), nheads, d), dtype, row_dim=0, pad_rows=5, pad_cols=0)
     k, v = _kv(None, int(cu_k[-1]), nheads_k, d, dv, dtype, varlen=True)
     return q, k, v, cu_q, cu_k
 
@@ -171,7 +134,7 @@ def test_fwd_seqused_k_in_batch_mode(causal):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fwd_padded_headdims_read_no_padding(dtype, d):
     torch.manual_seed(d)
-    q = _randn_in_nan((2, 301, 3, d), dtype, pad_rows=3, pad_cols=8)
+    q = randn_in_nan((2, 301, 3, d), dtype, row_dim=1, pad_rows=3, pad_cols=8)
     k, v = _kv(2, 257, 3, d, d, dtype)
     _check(q, k, v, _args(d, causal=True, window_right=0))
 

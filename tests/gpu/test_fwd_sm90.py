@@ -13,12 +13,11 @@ import math
 import pytest
 import torch
 
-from attention_oracle import check_forward
+from attention_oracle import SEQLEN_PAIRS, check_forward, randn_in_nan, run_forward
 from cute_flash.backends.base import AttnArgs
 
 pytestmark = pytest.mark.gpu
 
-SEQLEN_PAIRS = [(1, 1), (1, 4097), (113, 203), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
 HEADDIMS = [64, 96, 128, 192, 256]
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -33,35 +32,15 @@ def _backend():
     return backend
 
 
-def _randn_in_nan(shape, dtype, row_dim, pad_rows=67, pad_cols=8):
-    """A random tensor viewed inside a larger NaN buffer (rows around it, columns after it)."""
-    full = list(shape)
-    full[row_dim] += 2 * pad_rows
-    full[-1] += pad_cols
-    buf = torch.full(full, float("nan"), dtype=dtype, device="cuda")
-    index = [slice(None)] * len(shape)
-    index[row_dim] = slice(pad_rows, pad_rows + shape[row_dim])
-    index[-1] = slice(0, shape[-1])
-    view = buf[tuple(index)]
-    view.copy_(torch.randn(shape, dtype=dtype, device="cuda"))
-    return view
-
-
 def _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dv, dtype):
-    q = _randn_in_nan((batch, seqlen_q, nheads, d), dtype, row_dim=1, pad_rows=5)
-    k = _randn_in_nan((batch, seqlen_k, nheads_k, d), dtype, row_dim=1, pad_cols=8)
-    v = _randn_in_nan((batch, seqlen_k, nheads_k, dv), dtype, row_dim=1, pad_cols=24)
+    q = randn_in_nan((batch, seqlen_q, nheads, d), dtype, row_dim=1, pad_rows=5)
+    k = randn_in_nan((batch, seqlen_k, nheads_k, d), dtype, row_dim=1, pad_cols=8)
+    v = randn_in_nan((batch, seqlen_k, nheads_k, dv), dtype, row_dim=1, pad_cols=24)
     return q, k, v
 
 
 def _run(q, k, v, args: AttnArgs):
-    """(out, lse) of the kernel, both poisoned with NaN before the call."""
-    out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device="cuda")
-    lse_shape = (q.shape[1], q.shape[0]) if args.cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
-    lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device="cuda")
-    _backend().fwd(q, k, v, out, lse, args)
-    torch.cuda.synchronize()
-    return out, lse
+    return run_forward(_backend(), q, k, v, args)
 
 
 def _check(q, k, v, args: AttnArgs):
@@ -115,9 +94,9 @@ def test_sm90_fwd_softcap(d, causal):
 def _varlen_batch(seqlens_q, seqlens_k, nheads, nheads_k, d, dv, dtype):
     cu_q = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + list(torch.tensor(seqlens_k).cumsum(0)), dtype=torch.int32, device="cuda")
-    q = _randn_in_nan((int(cu_q[-1]), nheads, d), dtype, row_dim=0, pad_rows=5)
-    k = _randn_in_nan((int(cu_k[-1]), nheads_k, d), dtype, row_dim=0)
-    v = _randn_in_nan((int(cu_k[-1]), nheads_k, dv), dtype, row_dim=0, pad_cols=24)
+    q = randn_in_nan((int(cu_q[-1]), nheads, d), dtype, row_dim=0, pad_rows=5)
+    k = randn_in_nan((int(cu_k[-1]), nheads_k, d), dtype, row_dim=0)
+    v = randn_in_nan((int(cu_k[-1]), nheads_k, dv), dtype, row_dim=0, pad_cols=24)
     return q, k, v, cu_q, cu_k
 
 
