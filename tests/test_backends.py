@@ -110,3 +110,18 @@ def test_demo_runs_on_the_cpu():
     assert "backend reference" in res.stdout and "TFLOP/s" in res.stdout
     err = float(res.stdout.split("reference(float64)| = ")[1].split()[0])
     assert err < 1e-2
+
+
+def test_backward_without_a_verified_kernel_runs_on_the_reference():
+    from cute_flash import api
+    from cute_flash.backends.base import AttnArgs
+
+    def call(name, **args):
+        return api.Call(args=AttnArgs(0.1, **args), backend=backends.get_backend(name), out_shape=(), lse_shape=(), batch=1)
+
+    for name in ("cute-sm80", "cute-sm90"):
+        assert "backward" not in backends.get_backend(name).features
+        assert api.backward_backend(call(name)).name == "reference"
+    assert api.backward_backend(call("triton")).name == "triton"
+    with pytest.raises(NotImplementedError, match="paged"):
+        api.backward_backend(call("reference", page_table=torch.zeros(1, 1, dtype=torch.int32)))
