@@ -358,8 +358,15 @@ def _check_features(backend: Backend, args: AttnArgs, q, v) -> None:
         )
 
 
-def validate_backward(call: Call) -> None:
-    if "backward" not in call.backend.features:
-        raise NotImplementedError(f"backend {call.backend.name!r} does not implement: backward")
+def backward_backend(call: Call) -> Backend:
+    """The backend that runs the backward of a validated call.
+
+    A backend without a GPU-verified backward kernel hands its backward to the reference
+    backend, on the same device: exact and memory-bounded, but PyTorch-speed. `backend_info()`
+    and the README's feature matrix say which backends do so.
+    """
     if call.args.page_table is not None:
         raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
+    if "backward" in call.backend.features:
+        return call.backend
+    return backends.get_backend("reference")

@@ -61,6 +61,8 @@ def backend_info() -> dict:
 def _cell(backend: str, feature: str, supported: bool) -> str:
     if supported:
         return "yes"
+    if feature == "backward":  # see api.backward_backend
+        return "reference"
     return "unverified" if feature in backends.get_backend(backend).unverified else "-"
 
 

@@ -128,9 +128,8 @@ def bwd(
     """Attention backward; returns (dq, dk, dv). A gradient of the LSE (dlse) is honoured."""
     call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, causal, softmax_scale, window_size,
                      softcap, max_seqlen_q, max_seqlen_k, 1, backend, False)
-    api.validate_backward(call)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    call.backend.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, call.args, deterministic)
+    api.backward_backend(call).bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, call.args, deterministic)
     return dq, dk, dv
 
 
