@@ -1,0 +1,122 @@
+"""Host side of the sm_80 backward: buffers, configuration choice and the three launches.
+
+1. preprocess (`kernels/sm80/bwd_pre.py`): D = rowsum(dO * O) - dlse and LSE * log2(e) (+inf
+   where the LSE is -inf), both float32 and shaped like the LSE;
+2. main kernel (`kernels/sm80/bwd.py`): one CTA per (key block, KV head, batch) writes dK and dV
+   (summed over the query heads of its GQA group in registers) and adds dQ into a float32
+   accumulator (zeroed here, shaped like q with the kernel's padded head dim) with atomics;
+3. postprocess (`kernels/sm80/bwd_post.py`): dQ = scale * accumulator, rounded to the dtype.
+
+GQA therefore needs no dK/dV buffers and no reduction pass. The atomic dQ accumulation makes the
+order of the fp32 additions, and so the last bits of dQ, vary from run to run: `deterministic=True`
+is refused with NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import AttnArgs
+from .cute import _DTYPE_NAMES, KernelCache, _as_cute
+
+CONFIG_MODULE = "cute_flash.kernels.sm80.bwd_config"
+_cache = None
+
+
+def kernel_cache() -> KernelCache:
+    """The compile cache of the backward kernels (all three configuration kinds share it)."""
+    global _cache
+    if _cache is None:
+        _cache = KernelCache(config_module=CONFIG_MODULE, sources=("common", "sm80"))
+    return _cache
+
+
+def configs(q, k, v, dlse, args: AttnArgs) -> tuple:
+    """(preprocess, main, postprocess) configurations for a validated call."""
+    from ..kernels.sm80 import bwd_config
+
+    dtype = _DTYPE_NAMES[q.dtype]
+    varlen_q = args.cu_seqlens_q is not None
+    causal = args.causal and args.window_left < 0
+    main = bwd_config.make_config(
+        dtype,
+        q.shape[-1],
+        v.shape[-1],
+        causal=causal,
+        local=args.has_window and not causal,
+        softcap=args.softcap > 0,
+        varlen_q=varlen_q,
+        varlen_k=args.cu_seqlens_k is not None,
+        seqused_k=args.seqused_k is not None,
+    )
+    pre = bwd_config.make_pre_config(dtype, v.shape[-1], varlen_q=varlen_q, has_dlse=dlse is not None)
+    post = bwd_config.make_post_config(dtype, q.shape[-1], varlen_q=varlen_q)
+    return pre, main, post
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the kernels can read it (unit last stride, 16-byte aligned rows and base),
+    else a contiguous copy; an incoming gradient may be an expanded (stride-0) view."""
+    elem = t.element_size()
+    aligned = t.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in t.stride()[:-1])
+    return t if t.stride(-1) == 1 and aligned else t.contiguous()
+
+
+def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
+    """Write dq, dk, dv in place (see the module docstring)."""
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32
+
+    from ..kernels.common.softmax import softmax_constants
+
+    if deterministic:
+        raise NotImplementedError(
+            f"deterministic backward is not implemented by backend {backend.name!r}: it adds dQ with fp32 "
+            "atomics, whose order varies run to run (use deterministic=False, or backend='triton')"
+        )
+    if args.page_table is not None:
+        raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
+    pre, main, post = configs(q, k, v, dlse, args)  # raises for head dims the kernel lacks
+
+    varlen_q = args.cu_seqlens_q is not None
+    num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+    max_seqlen_k = args.max_seqlen_k if args.cu_seqlens_k is not None else k.shape[1]
+    if args.seqused_k is not None or num_batch == 0 or not max_seqlen_q or q.numel() == 0:
+        # keys no CTA visits (past seqused_k, or every key when there is no query) get 0
+        dk.zero_()
+        dv.zero_()
+    if num_batch == 0 or not max_seqlen_q or q.numel() == 0:
+        return
+    if not max_seqlen_k or k.shape[-3] == 0:
+        dq.zero_()  # no key anywhere: every row is fully masked
+        return
+
+    dout = _kernel_ready(dout)
+    lse = lse.contiguous()
+    dlse = dlse.contiguous() if dlse is not None else None
+    lse_log2 = torch.empty_like(lse)
+    delta = torch.empty_like(lse)
+    dq_accum = torch.zeros(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)
+
+    arch = backend.arch(q.device)
+    fn_pre, _ = kernel_cache().get(pre, arch)
+    fn_main, _ = kernel_cache().get(main, arch)
+    fn_post, _ = kernel_cache().get(post, arch)
+    scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)
+    cu_q, cu_k, used_k = (_as_cute(t, 4) for t in (args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k))
+    with torch.cuda.device(q.device):
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        fn_pre(
+            _as_cute(out, 16), _as_cute(dout, 16), _as_cute(lse, 4), _as_cute(dlse, 4), _as_cute(lse_log2, 4),
+            _as_cute(delta, 4), cu_q, Int32(num_batch), Int32(max_seqlen_q), stream,
+        )
+        fn_main(
+            _as_cute(q, 16), _as_cute(k, 16), _as_cute(v, 16), _as_cute(dout, 16), _as_cute(lse_log2, 4),
+            _as_cute(delta, 4), _as_cute(dq_accum, 16), _as_cute(dk, 16), _as_cute(dv, 16), cu_q, cu_k, used_k,
+            Int32(num_batch), Int32(max_seqlen_k), Float32(args.softmax_scale), Float32(scale_log2),
+            Float32(softcap_prescale), Int32(args.window_left), Int32(args.window_right), stream,
+        )
+        fn_post(_as_cute(dq_accum, 16), _as_cute(dq, 16), cu_q, Int32(num_batch), Int32(max_seqlen_q),
+                Float32(args.softmax_scale), stream)
+

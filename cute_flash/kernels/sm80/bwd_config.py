@@ -1,0 +1,319 @@
+"""Compile-time configuration of the sm_80 backward kernel: the key of its compile cache.
+
+`Sm80BwdConfig` holds every choice that changes the generated code of `FlashBwdSm80`; sequence
+lengths, batch, heads, strides, the actual head dims inside a padded tile, the scale and the
+window sizes are run-time arguments.
+
+A CTA keeps dK and dV of `tile_n` keys in fp32 registers for the whole kernel, so each thread
+holds tile_n * (d + dv) / threads accumulators; with one warp per 16 keys that is (d + dv) / 2
+registers, on top of the score and dP tiles (tile_n * tile_m / threads each) and the dQ tile of
+the current query block. With 64 keys and 4 warps that leaves room for 64-row query blocks at
+head dim 64 only; head dims 96 and 128 take 32-row query blocks (64 rows spill at 128, and at 96
+with a window and soft-capping), their dQ MMA then split 2 x 2 over the warps. Every entry
+compiles with zero spills for sm_80 and sm_90a with all feature flags on. Head dims 192 and 256
+would need dK and dV staged through shared memory or split over more CTAs, which this kernel
+does not do, so they are refused by name (`UnsupportedHeadDim`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple
+
+TILE_HEADDIMS = (64, 96, 128)
+DTYPES = ("float16", "bfloat16")
+
+
+class BwdTile(NamedTuple):
+    tile_m: int  # query rows per inner step
+    tile_n: int  # keys per CTA (16 per warp)
+    num_warps: int
+    dq_warps_m: int  # warps along the query rows of the dQ MMA (the rest split the head dim)
+
+
+# keyed by the padded max(head_dim, head_dim_v)
+TILES = {
+    64: BwdTile(64, 64, 4, 4),
+    96: BwdTile(32, 64, 4, 2),
+    128: BwdTile(32, 64, 4, 2),
+}
+
+
+class UnsupportedHeadDim(NotImplementedError):
+    pass
+
+
+# The preprocess and postprocess kernels give each row 8 threads of 128-bit vectors, so their
+# tiles are 64 columns wide (16-bit elements) or a multiple of that.
+PRE_THREADS_PER_ROW = 8
+ROW_KERNEL_COLS = 64
+
+
+def padded_headdim(d: int) -> int:
+    for t in TILE_HEADDIMS:
+        if d <= t:
+            return t
+    raise UnsupportedHeadDim(
+        f"the sm_80 backward kernel supports head dims up to {TILE_HEADDIMS[-1]}; got head dim {d}"
+    )
+
+
+@dataclass(frozen=True)
+class Sm80BwdConfig:
+    dtype: str  # "float16" | "bfloat16"
+    head_dim: int  # padded tile head dim of Q, K, dQ, dK
+    head_dim_v: int  # padded tile head dim of V, O, dO, dV
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    dq_warps_m: int
+    check_hdim: bool = False  # the actual head dim is below the tile's: predicate columns
+    check_hdim_v: bool = False
+    causal: bool = False
+    local: bool = False  # sliding window (causal is not local)
+    softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_k: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
+        for name in ("head_dim", "head_dim_v"):
+            if getattr(self, name) not in TILE_HEADDIMS:
+                raise ValueError(f"{name} must be one of {TILE_HEADDIMS}; got {getattr(self, name)}")
+        if self.causal and self.local:
+            raise ValueError("causal and local exclude each other (causal is the window (-1, 0))")
+        if self.tile_n != 16 * self.num_warps:
+            raise ValueError(f"tile_n must be 16 per warp; got {self.tile_n} for {self.num_warps} warps")
+        if self.num_warps % self.dq_warps_m or self.tile_m % (16 * self.dq_warps_m):
+            raise ValueError(
+                f"dq_warps_m={self.dq_warps_m} does not tile {self.tile_m} rows with {self.num_warps} warps"
+            )
+
+    @property
+    def smem_bytes(self) -> int:
+        q_do = self.tile_m * (self.head_dim + self.head_dim_v)
+        k_v = self.tile_n * (self.head_dim + self.head_dim_v)
+        ds = self.tile_n * self.tile_m
+        return 2 * (q_do + k_v + ds) + 2 * 4 * self.tile_m  # + LSE and D of the query block
+
+    @property
+    def name(self) -> str:
+        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k") if getattr(self, f)]
+        if self.check_hdim:
+            flags.append("padded")
+        if self.check_hdim_v:
+            flags.append("paddedv")
+        hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
+        tile = f"{self.tile_m}x{self.tile_n}w{self.num_warps}q{self.dq_warps_m}"
+        return "_".join(["bwd_sm80", self.dtype, hd, tile] + flags)
+
+
+@dataclass(frozen=True)
+class Sm80BwdPreConfig:
+    """The preprocess kernel (`bwd_pre.py`): D and the log2-space LSE."""
+
+    dtype: str
+    head_dim_v: int  # tile columns: the head dim of O rounded up to ROW_KERNEL_COLS
+    check_hdim_v: bool = False
+    varlen_q: bool = False
+    has_dlse: bool = False
+    tile_m: int = 64
+    num_threads: int = 128
+
+    @property
+    def name(self) -> str:
+        flags = [f for f, on in (("paddedv", self.check_hdim_v), ("varlen_q", self.varlen_q),
+                                 ("dlse", self.has_dlse)) if on]
+        return "_".join(["bwdpre_sm80", self.dtype, f"hdv{self.head_dim_v}"] + flags)
+
+
+@dataclass(frozen=True)
+class Sm80BwdPostConfig:
+    """The postprocess kernel (`bwd_post.py`): dQ from its fp32 accumulator."""
+
+    dtype: str
+    head_dim: int  # tile columns: the head dim of Q rounded up to ROW_KERNEL_COLS
+    check_hdim: bool = False
+    varlen_q: bool = False
+    tile_m: int = 64
+    num_threads: int = 128
+
+    @property
+    def name(self) -> str:
+        flags = [f for f, on in (("padded", self.check_hdim), ("varlen_q", self.varlen_q)) if on]
+        return "_".join(["bwdpost_sm80", self.dtype, f"hd{self.head_dim}"] + flags)
+
+
+def _row_kernel_cols(d: int) -> int:
+    return -(-d // ROW_KERNEL_COLS) * ROW_KERNEL_COLS
+
+
+def make_pre_config(dtype: str, head_dim_v: int, varlen_q: bool, has_dlse: bool) -> Sm80BwdPreConfig:
+    cols = _row_kernel_cols(head_dim_v)
+    return Sm80BwdPreConfig(dtype, cols, cols != head_dim_v, varlen_q, has_dlse)
+
+
+def make_post_config(dtype: str, head_dim: int, varlen_q: bool) -> Sm80BwdPostConfig:
+    cols = _row_kernel_cols(head_dim)
+    return Sm80BwdPostConfig(dtype, cols, cols != head_dim, varlen_q)
+
+
+def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80BwdConfig:
+    """The configuration for actual head dims (multiples of 8 up to 128) and feature flags."""
+    hd, hdv = padded_headdim(head_dim), padded_headdim(head_dim_v)
+    tile = TILES[max(hd, hdv)]
+    return Sm80BwdConfig(
+        dtype=dtype,
+        head_dim=hd,
+        head_dim_v=hdv,
+        tile_m=tile.tile_m,
+        tile_n=tile.tile_n,
+        num_warps=tile.num_warps,
+        dq_warps_m=tile.dq_warps_m,
+        check_hdim=hd != head_dim,
+        check_hdim_v=hdv != head_dim_v,
+        **flags,
+    )
+
+
+def shipped_configs() -> list:
+    """Head dims 64 and 128 in fp16 (no mask) and bf16 (causal), one of each feature variant, and
+    the preprocess / postprocess kernels (whose tiles are 64 or 128 columns wide).
+
+    Feature flags change code paths but not the tile, so one head dim per variant shows that the
+    path compiles without spills; CI compiles every entry.
+    """
+    configs = [make_config("float16", d, d) for d in (64, 128)]
+    configs += [make_config("bfloat16", d, d, causal=True) for d in (64, 128)]
+    base = make_config("bfloat16", 128, 128)
+    configs += [
+        make_config("bfloat16", 96, 96, causal=True),
+        replace(base, local=True, softcap=True),
+        replace(base, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
+        make_config("float16", 128, 64, causal=True),
+        make_pre_config("bfloat16", 128, varlen_q=False, has_dlse=False),
+        make_pre_config("float16", 96, varlen_q=True, has_dlse=True),
+        make_post_config("bfloat16", 128, varlen_q=False),
+        make_post_config("float16", 96, varlen_q=True),
+    ]
+    return configs
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling a configuration (no GPU needed: fake tensors with symbolic sizes and 64-bit strides)
+# ------------------------------------------------------------------------------------------------
+def _fake_tokens(dtype, varlen: bool, divisibility: int):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    rank = 3 if varlen else 4
+    shape = tuple(cute.sym_int32() for _ in range(rank))
+    stride = tuple(cute.sym_int64(divisibility=divisibility) for _ in range(rank - 1)) + (1,)
+    return make_fake_tensor(dtype, shape, stride, assumed_align=16)
+
+
+def _fake_row_stats(varlen: bool):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    rank = 2 if varlen else 3
+    return make_fake_tensor(
+        cutlass.Float32,
+        tuple(cute.sym_int32() for _ in range(rank)),
+        tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+        assumed_align=4,
+    )
+
+
+def _fake_int_vector():
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
+
+
+def fake_arguments(config: Sm80BwdConfig) -> tuple:
+    """Arguments of `FlashBwdSm80.__call__` (less the stream) for `cute.compile`: every size
+    symbolic, every stride but the last a 64-bit multiple of 8 elements (4 for fp32)."""
+    import cutlass
+
+    dtype = _dtype(config)
+    return (
+        _fake_tokens(dtype, config.varlen_q, 8),  # q
+        _fake_tokens(dtype, config.varlen_k, 8),  # k
+        _fake_tokens(dtype, config.varlen_k, 8),  # v
+        _fake_tokens(dtype, config.varlen_q, 8),  # dout
+        _fake_row_stats(config.varlen_q),  # lse_log2
+        _fake_row_stats(config.varlen_q),  # delta
+        _fake_tokens(cutlass.Float32, config.varlen_q, 4),  # dq_accum
+        _fake_tokens(dtype, config.varlen_k, 8),  # dk
+        _fake_tokens(dtype, config.varlen_k, 8),  # dv
+        _fake_int_vector() if config.varlen_q else None,
+        _fake_int_vector() if config.varlen_k else None,
+        _fake_int_vector() if config.seqused_k else None,
+        cutlass.Int32(1),  # num_batch
+        cutlass.Int32(1),  # max_seqlen_k
+        cutlass.Float32(1.0),  # softmax_scale
+        cutlass.Float32(1.0),  # softmax_scale_log2
+        cutlass.Float32(1.0),  # softcap_prescale
+        cutlass.Int32(-1),  # window_left
+        cutlass.Int32(-1),  # window_right
+    )
+
+
+def _dtype(config):
+    import cutlass
+
+    return cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+
+
+def compile_kernel(config, options: str = "--gpu-arch sm_80"):
+    """cute.compile the kernel of a backward `config` (main, preprocess or postprocess) with
+    extra compiler `options` (e.g. the arch)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+
+    stream = cuda.CUstream(0)
+    if isinstance(config, Sm80BwdPreConfig):
+        from .bwd_pre import FlashBwdPreSm80
+
+        tokens = _fake_tokens(_dtype(config), config.varlen_q, 8)
+        args = (
+            tokens, _fake_tokens(_dtype(config), config.varlen_q, 8), _fake_row_stats(config.varlen_q),
+            _fake_row_stats(config.varlen_q) if config.has_dlse else None,
+            _fake_row_stats(config.varlen_q), _fake_row_stats(config.varlen_q),
+            _fake_int_vector() if config.varlen_q else None, cutlass.Int32(1), cutlass.Int32(1),
+        )
+        return cute.compile(FlashBwdPreSm80(config), *args, stream, options=options)
+    if isinstance(config, Sm80BwdPostConfig):
+        from .bwd_post import FlashBwdPostSm80
+
+        args = (
+            _fake_tokens(cutlass.Float32, config.varlen_q, 4), _fake_tokens(_dtype(config), config.varlen_q, 8),
+            _fake_int_vector() if config.varlen_q else None, cutlass.Int32(1), cutlass.Int32(1),
+            cutlass.Float32(1.0),
+        )
+        return cute.compile(FlashBwdPostSm80(config), *args, stream, options=options)
+    from .bwd import FlashBwdSm80
+
+    return cute.compile(FlashBwdSm80(config), *fake_arguments(config), stream, options=options)
+
+
+# `KernelCache` builds kernels through `<config module>.compile_fwd`; for this module that is the
+# backward kernel.
+compile_fwd = compile_kernel
+
+
+def audit_targets(arch: str) -> list:
+    """One audit target per shipped configuration (see `cute_flash.audit`)."""
+    from cute_flash.audit import AuditTarget
+
+    def compiler(config) -> Callable:
+        return lambda options: compile_kernel(config, options)
+
+    return [AuditTarget(config.name, arch, compiler(config)) for config in shipped_configs()]

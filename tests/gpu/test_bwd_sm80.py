@@ -1,0 +1,203 @@
+"""The sm_80 backward kernels against the float64 oracle's gradients, on a GPU (`pytest -m gpu`).
+
+The backend's `bwd` is called directly (the API refuses the backward until these pass). Its
+inputs `out` and `lse` come from the reference forward, so a forward bug cannot hide or cause a
+backward failure; the oracle's gradients are computed from the same `out` and `lse`.
+Tolerance (DESIGN.md), per gradient: max|g - ref| <= 2 * max|g_torch - ref| + atol, with g_torch
+the reference backward in the input dtype (`tests/attention_oracle.py`). dq, dk and dv are
+poisoned with NaN before the call; K and V sit inside NaN-filled buffers with different row
+strides, so that a read outside them or an unwritten gradient shows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attention_oracle import check_backward
+from cute_flash.backends.base import AttnArgs
+from cute_flash.backends.reference import reference_attention
+
+pytestmark = pytest.mark.gpu
+
+SEQLEN_PAIRS = [(1, 1), (1, 300), (113, 203), (239, 1), (128, 128), (799, 3), (1023, 1024)]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _backend():
+    from cute_flash.backends.cute import CuteSm80Backend
+
+    backend = CuteSm80Backend()
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return backend
+
+
+def _randn_in_nan(shape, dtype, pad_rows=0, row_dim=1, pad_cols=0):
+    """A random tensor that is a view into a larger NaN buffer (rows around it, columns after)."""
+    full = list(shape)
+    full[row_dim] += 2 * pad_rows
+    full[-1] += pad_cols
+    buf = torch.full(full, float("nan"), dtype=dtype, device="cuda")
+    index = [slice(None)] * len(shape)
+    index[row_dim] = slice(pad_rows, pad_rows + shape[row_dim])
+    index[-1] = slice(0, shape[-1])
+    view = buf[tuple(index)]
+    view.copy_(torch.randn(shape, dtype=dtype, device="cuda"))
+    return view
+
+
+def _kv(batch, seqlen_k, nheads_k, d, dv, dtype, varlen=False):
+    """k and v with different row strides (8 and 24 padding columns), inside NaN."""
+    if varlen:
+        shape_k, shape_v, row_dim = (seqlen_k, nheads_k, d), (seqlen_k, nheads_k, dv), 0
+    else:
+        shape_k, shape_v, row_dim = (batch, seqlen_k, nheads_k, d), (batch, seqlen_k, nheads_k, dv), 1
+    k = _randn_in_nan(shape_k, dtype, pad_rows=67, row_dim=row_dim, pad_cols=8)
+    v = _randn_in_nan(shape_v, dtype, pad_rows=67, row_dim=row_dim, pad_cols=24)
+    return k, v
+
+
+def _transposed_dout(shape, dtype):
+    """dO as a non-contiguous view: (b, s, h, d) from a (b, h, s, d) tensor, or (t, h, d) from (h, t, d)."""
+    if len(shape) == 4:
+        b, s, h, d = shape
+        return torch.randn(b, h, s, d, dtype=dtype, device="cuda").transpose(1, 2)
+    t, h, d = shape
+    return torch.randn(h, t, d, dtype=dtype, device="cuda").transpose(0, 1)
+
+
+def _check(q, k, v, args: AttnArgs, with_dlse=False):
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out = ref_out.to(q.dtype)
+    lse = ref_lse.float()
+    dout = _transposed_dout(out.shape, q.dtype)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    dq = torch.full_like(q, float("nan"))
+    dk = torch.full(k.shape, float("nan"), dtype=k.dtype, device="cuda")
+    dv = torch.full(v.shape, float("nan"), dtype=v.dtype, device="cuda")
+    _backend().bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, args, False)
+    torch.cuda.synchronize()
+    check_backward((dq, dk, dv), dout, dlse, q, k, v, out, lse, args)
+    return dq, dk, dv
+
+
+def _args(d, **kw):
+    return AttnArgs(softmax_scale=kw.pop("softmax_scale", 1.0 / math.sqrt(d)), **kw)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seqlen_q, seqlen_k):
+    torch.manual_seed(seqlen_q * 7 + seqlen_k + d)
+    q = torch.randn(2, seqlen_q, 3, d, dtype=dtype, device="cuda")
+    k, v = _kv(2, seqlen_k, 3, d, d, dtype)
+    _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
+
+
+@pytest.mark.parametrize("nheads,nheads_k", [(6, 2), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_gqa_and_mqa_sum_dk_dv_over_the_group(d, nheads, nheads_k, causal):
+    torch.manual_seed(nheads * 10 + nheads_k + d)
+    q = torch.randn(3, 257, nheads, d, dtype=torch.bfloat16, device="cuda")
+    k, v = _kv(3, 300, nheads_k, d, d, torch.bfloat16)
+    _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
+
+
+@pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (500, 130), (239, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_sliding_window(d, seqlen_q, seqlen_k, window):
+    torch.manual_seed(sum(window) + seqlen_q + d)
+    q = torch.randn(2, seqlen_q, 2, d, dtype=torch.bfloat16, device="cuda")
+    k, v = _kv(2, seqlen_k, 2, d, d, torch.bfloat16)
+    _check(q, k, v, _args(d, window_left=window[0], window_right=window[1]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_softcap_chain_rule(d, causal):
+    torch.manual_seed(d + causal)
+    q = torch.randn(2, 333, 3, d, dtype=torch.bfloat16, device="cuda") * 3
+    k, v = _kv(2, 517, 3, d, d, torch.bfloat16)
+    _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1, softcap=15.0))
+
+
+@pytest.mark.parametrize("seqused", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_varlen_and_seqused_k(d, causal, seqused):
+    torch.manual_seed(d + causal + 2 * seqused)
+    seqlens_q = [1, 0, 113, 239, 300, 64, 7]
+    seqlens_k = [1, 5, 203, 1, 333, 64, 300]
+    cu_q = torch.tensor([0] + torch.tensor(seqlens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(seqlens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = _randn_in_nan((int(cu_q[-1]), 4, d), torch.bfloat16, pad_rows=5, row_dim=0)
+    k, v = _kv(None, int(cu_k[-1]), 2, d, d, torch.bfloat16, varlen=True)
+    used = torch.tensor([1, 0, 150, 1, 300, 17, 299], dtype=torch.int32, device="cuda") if seqused else None
+    args = _args(d, causal=causal, window_right=0 if causal else -1, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                 max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), seqused_k=used)
+    _check(q, k, v, args)
+
+
+@pytest.mark.parametrize("d,dv", [(128, 64), (64, 128), (40, 96), (80, 80)])
+def test_bwd_headdim_v_differs_and_padded_headdims(d, dv):
+    torch.manual_seed(d + dv)
+    q = _randn_in_nan((2, 211, 4, d), torch.float16, pad_rows=3, pad_cols=8)
+    k, v = _kv(2, 333, 4, d, dv, torch.float16)
+    _check(q, k, v, _args(d, causal=True, window_right=0))
+
+
+def test_bwd_honours_a_gradient_of_the_lse():
+    torch.manual_seed(17)
+    q = torch.randn(2, 150, 4, 64, dtype=torch.float16, device="cuda")
+    k, v = _kv(2, 190, 2, 64, 64, torch.float16)
+    _check(q, k, v, _args(64, causal=True, window_right=0), with_dlse=True)
+
+
+def test_bwd_no_nan_for_fully_masked_rows():
+    """Causal with seqlen_q > seqlen_k: the first rows see no key; their dq is exactly 0."""
+    torch.manual_seed(23)
+    q = torch.randn(2, 300, 2, 64, dtype=torch.bfloat16, device="cuda")
+    k, v = _kv(2, 100, 2, 64, 64, torch.bfloat16)
+    dq, dk, dv = _check(q, k, v, _args(64, causal=True, window_right=0))
+    assert (dq[:, :200] == 0).all()
+
+
+def test_bwd_non_contiguous_q_from_packed_qkv():
+    torch.manual_seed(11)
+    qkv = torch.randn(2, 390, 3, 4, 64, dtype=torch.bfloat16, device="cuda")
+    q = qkv[:, :, 0]
+    k = torch.randn(2, 390, 4, 64 + 32, dtype=torch.bfloat16, device="cuda")[..., :64]
+    v = torch.randn(2, 390, 8, 64, dtype=torch.bfloat16, device="cuda")[:, :, ::2]
+    assert len({q.stride(1), k.stride(1), v.stride(1)}) == 3
+    _check(q, k, v, _args(64, causal=True, window_right=0))
+
+
+def test_bwd_expanded_dout_is_accepted():
+    """The gradient of out.sum() arrives as a stride-0 expanded view."""
+    torch.manual_seed(29)
+    q = torch.randn(1, 100, 2, 64, dtype=torch.float16, device="cuda")
+    k, v = _kv(1, 120, 2, 64, 64, torch.float16)
+    args = _args(64)
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = torch.ones((), dtype=q.dtype, device="cuda").expand(out.shape)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    _backend().bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, False)
+    torch.cuda.synchronize()
+    check_backward((dq, dk, dv), dout, None, q, k, v, out, lse, args)
+
+
+def test_bwd_deterministic_is_refused():
+    q = torch.randn(1, 64, 1, 64, dtype=torch.float16, device="cuda")
+    grads = [torch.empty_like(q) for _ in range(3)]
+    lse = torch.zeros(1, 1, 64, device="cuda")
+    with pytest.raises(NotImplementedError, match="deterministic backward"):
+        _backend().bwd(q, q, q, q, q, lse, None, *grads, _args(64), True)

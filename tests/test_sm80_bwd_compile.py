@@ -1,0 +1,193 @@
+"""The sm_80 backward kernels on the CPU: configuration table, the choice of configurations for a
+call, what the backend refuses, and compiles for sm_80 / sm_90a without spills with the intended
+instructions. (`python -m cute_flash.audit --module cute_flash.kernels.sm80.bwd_config` audits
+every shipped configuration.)"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields, replace
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+
+from cute_flash.backends.base import AttnArgs  # noqa: E402
+from cute_flash.kernels.sm80 import bwd_config as bc  # noqa: E402
+
+SM86_SMEM = 99 * 1024
+
+
+@pytest.mark.parametrize("headdim", bc.TILE_HEADDIMS)
+def test_tile_table_fits_shared_memory_and_tiles_the_warps(headdim):
+    config = bc.make_config("bfloat16", headdim, headdim)
+    assert config.smem_bytes <= SM86_SMEM
+    assert config.tile_n == 16 * config.num_warps
+    assert config.tile_m % (16 * config.dq_warps_m) == 0
+
+
+@pytest.mark.parametrize("d,tile", [(8, 64), (64, 64), (72, 96), (96, 96), (120, 128), (128, 128)])
+def test_headdims_pad_up_to_the_next_tile(d, tile):
+    config = bc.make_config("float16", d, d)
+    assert (config.head_dim, config.check_hdim, config.check_hdim_v) == (tile, d != tile, d != tile)
+
+
+@pytest.mark.parametrize("d", [136, 192, 256])
+def test_headdims_above_128_are_refused_by_name(d):
+    with pytest.raises(NotImplementedError, match=str(d)):
+        bc.make_config("bfloat16", d, d)
+    with pytest.raises(NotImplementedError, match=str(d)):
+        bc.make_config("bfloat16", 64, d)
+
+
+def test_pre_and_post_tiles_round_up_to_64_columns():
+    assert bc.make_pre_config("float16", 96, varlen_q=False, has_dlse=False).head_dim_v == 128
+    assert bc.make_pre_config("float16", 96, varlen_q=False, has_dlse=False).check_hdim_v
+    assert not bc.make_post_config("float16", 64, varlen_q=True).check_hdim
+    assert bc.make_post_config("float16", 40, varlen_q=True).head_dim == 64
+
+
+def test_shipped_configs_are_few_distinct_cache_keys():
+    configs = bc.shipped_configs()
+    assert len(configs) <= 12
+    assert len({c.name for c in configs}) == len(configs) == len(set(configs))
+
+
+def test_config_names_tell_apart_every_flag():
+    for base in (bc.make_config("bfloat16", 64, 64), bc.make_pre_config("float16", 64, False, False),
+                 bc.make_post_config("float16", 64, False)):
+        for f in fields(base):
+            if isinstance(getattr(base, f.name), bool):
+                assert replace(base, **{f.name: not getattr(base, f.name)}).name != base.name, f.name
+
+
+def test_causal_and_local_exclude_each_other():
+    with pytest.raises(ValueError, match="causal"):
+        bc.make_config("float16", 64, 64, causal=True, local=True)
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (AttnArgs(0.1), {}),
+        (AttnArgs(0.1, causal=True, window_right=0), {"causal": True}),
+        (AttnArgs(0.1, causal=True, window_left=32, window_right=0), {"local": True}),
+        (AttnArgs(0.1, window_left=-1, window_right=16), {"local": True}),
+        (AttnArgs(0.1, softcap=30.0), {"softcap": True}),
+        (AttnArgs(0.1, seqused_k=torch.ones(1, dtype=torch.int32)), {"seqused_k": True}),
+    ],
+)
+def test_call_selects_config_flags(args, expected):
+    from cute_flash.backends.cute_bwd import configs
+
+    q = torch.empty(1, 1, 1, 64, dtype=torch.float16)
+    pre, main, post = configs(q, q, q, None, args)
+    flags = {f: getattr(main, f) for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k")}
+    assert flags == {f: expected.get(f, False) for f in flags}
+    assert not pre.has_dlse and not pre.varlen_q and not post.varlen_q
+
+
+def test_call_with_dlse_and_varlen_selects_matching_pre_and_post():
+    from cute_flash.backends.cute_bwd import configs
+
+    q = torch.empty(10, 2, 80, dtype=torch.bfloat16)
+    v = torch.empty(10, 2, 48, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    pre, main, post = configs(q, q, v, torch.empty(2, 10), AttnArgs(0.1, cu_seqlens_q=cu, cu_seqlens_k=cu))
+    assert (main.head_dim, main.head_dim_v, main.varlen_q, main.varlen_k) == (96, 64, True, True)
+    assert (pre.head_dim_v, pre.check_hdim_v, pre.has_dlse, pre.varlen_q) == (64, True, True, True)
+    assert (post.head_dim, post.check_hdim, post.varlen_q) == (128, True, True)
+
+
+def _q(d=64):
+    return torch.zeros(1, 8, 1, d, dtype=torch.float16)
+
+
+def test_backward_refuses_deterministic_mode():
+    from cute_flash.backends.cute import CuteSm80Backend
+    from cute_flash.backends.cute_bwd import backward
+
+    q = _q()
+    with pytest.raises(NotImplementedError, match="deterministic backward"):
+        backward(CuteSm80Backend(), q, q, q, q, q, torch.zeros(1, 1, 8), None, q, q, q, AttnArgs(0.1), True)
+
+
+def test_backward_refuses_headdim_256_by_name():
+    from cute_flash.backends.cute import CuteSm80Backend
+    from cute_flash.backends.cute_bwd import backward
+
+    q = _q(256)
+    with pytest.raises(NotImplementedError, match="256"):
+        backward(CuteSm80Backend(), q, q, q, q, q, torch.zeros(1, 1, 8), None, q, q, q, AttnArgs(0.1), False)
+
+
+def test_backward_is_unverified_on_sm80_and_absent_on_sm90():
+    from cute_flash.backends.cute import CuteSm80Backend, CuteSm90Backend
+
+    assert "backward" in CuteSm80Backend.unverified and "backward" not in CuteSm80Backend.features
+    assert "backward" not in CuteSm90Backend.unverified | CuteSm90Backend.features
+    q = _q()
+    with pytest.raises(NotImplementedError, match="backward"):
+        CuteSm90Backend().bwd(q, q, q, q, q, torch.zeros(1, 1, 8), None, q, q, q, AttnArgs(0.1), False)
+
+
+def test_kernel_cache_builds_backward_configs_through_the_config_module(tmp_path, monkeypatch):
+    import warnings
+
+    from cute_flash.backends.cute import KernelCache
+    from cute_flash.backends.cute_bwd import CONFIG_MODULE
+
+    monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(tmp_path))
+    cache = KernelCache(CONFIG_MODULE, ("common", "sm80"))
+    config = bc.make_post_config("float16", 64, varlen_q=False)
+    with warnings.catch_warnings():
+        # without CUDA libraries the DSL cannot export an object file; memory caching still works
+        warnings.simplefilter("ignore")
+        assert cache.get(config, "sm_80")[1] == "compiled"
+    assert cache.get(config, "sm_80")[1] == "memory"
+
+
+def test_audit_targets_cover_every_shipped_config():
+    targets = bc.audit_targets("sm_90a")
+    assert [t.name for t in targets] == [c.name for c in bc.shipped_configs()]
+    assert {t.arch for t in targets} == {"sm_90a"}
+
+
+# ------------------------------------------------------------------------------------------------
+# compiles (each a few seconds on one core)
+# ------------------------------------------------------------------------------------------------
+MAIN_COMPILED = [
+    ("sm_80", bc.make_config("float16", 64, 64)),
+    ("sm_80", bc.make_config("bfloat16", 128, 128, causal=True, varlen_q=True, varlen_k=True, seqused_k=True)),
+    ("sm_80", bc.make_config("bfloat16", 72, 72, local=True, softcap=True)),
+    ("sm_90a", bc.make_config("bfloat16", 128, 128, causal=True)),
+]
+ROW_KERNELS_COMPILED = [
+    ("sm_80", bc.make_pre_config("bfloat16", 80, varlen_q=True, has_dlse=True)),
+    ("sm_90a", bc.make_post_config("float16", 128, varlen_q=False)),
+]
+
+
+def _audit(arch, config):
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    row = audit.audit_target(audit.AuditTarget(config.name, arch, lambda options: bc.compile_kernel(config, options)))
+    assert row.error is None, row.error
+    assert not row.spills, f"{row.spill_stores}/{row.spill_loads} bytes spilled, SASS {row.sass}"
+    return row
+
+
+@pytest.mark.parametrize("arch,config", MAIN_COMPILED, ids=[f"{a}-{c.name}" for a, c in MAIN_COMPILED])
+def test_main_kernel_compiles_without_spills_using_ldgsts_ldsm_hmma(arch, config):
+    row = _audit(arch, config)
+    for op in ("HMMA", "LDSM", "LDGSTS"):
+        assert row.sass[op] > 0, f"no {op} in the SASS: {row.sass}"
+    assert row.smem_dynamic is None or row.smem_dynamic >= config.smem_bytes
+
+
+@pytest.mark.parametrize("arch,config", ROW_KERNELS_COMPILED, ids=[f"{a}-{c.name}" for a, c in ROW_KERNELS_COMPILED])
+def test_pre_and_post_kernels_compile_without_spills(arch, config):
+    _audit(arch, config)
