@@ -346,7 +346,7 @@ def _check_features(backend: Backend, args: AttnArgs, q, v) -> None:
     if unverified:
         raise NotImplementedError(
             f"backend {backend.name!r}: {', '.join(unverified)} not yet verified on a GPU "
-            f"(pass backend='cute-sm80' or 'reference')"
+            f"(backend='reference' implements every feature; `python -m cute_flash.info` lists the others)"
         )
     if missing:
         raise NotImplementedError(f"backend {backend.name!r} does not implement: {', '.join(missing)}")
@@ -354,7 +354,7 @@ def _check_features(backend: Backend, args: AttnArgs, q, v) -> None:
     if backend.verified_headdims is not None and not dims <= backend.verified_headdims:
         raise NotImplementedError(
             f"backend {backend.name!r}: head dims {sorted(dims - backend.verified_headdims)} not yet verified on a GPU "
-            f"(verified: {sorted(backend.verified_headdims)}; pass backend='cute-sm80' or 'reference')"
+            f"(verified: {sorted(backend.verified_headdims)}; backend='cute-sm80' or 'reference' take them)"
         )
 
 

@@ -46,6 +46,8 @@ KERNEL_MODULES = [
     "cute_flash.kernels.common.probes",
     "cute_flash.kernels.sm80.fwd_config",
     "cute_flash.kernels.sm90.fwd_config",
+    "cute_flash.kernels.sm80.bwd_config",
+    "cute_flash.kernels.combine_config",
 ]
 
 # SASS opcodes counted per configuration (the part before the first '.').

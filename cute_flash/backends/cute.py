@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -189,12 +189,17 @@ class _CuteBackend(Backend):
             varlen_k=args.cu_seqlens_k is not None,
             seqused_k=args.seqused_k is not None,
             has_lse=lse is not None,
+            **({"paged_kv": True} if args.page_table is not None else {}),
         )
 
-    def fwd(self, q, k, v, out, lse, args: AttnArgs) -> None:
-        if args.page_table is not None:
+    def fwd(self, q, k, v, out, lse, args: AttnArgs, workspace: Optional[tuple] = None) -> None:
+        """`workspace`: optional (o_partial, lse_partial) float32 buffers for split-KV, shaped as
+        `split_kv.partial_shapes` says (e.g. kept by a CUDA graph); allocated when None."""
+        # kernels that implement paged/split KV (verified or not) take their extra arguments
+        inference = "paged_kv" in self.features | self.unverified
+        if args.page_table is not None and not inference:
             raise NotImplementedError(f"backend {self.name!r} does not implement: paged_kv")
-        if args.num_splits > 1:
+        if args.num_splits > 1 and not inference:
             raise NotImplementedError(f"backend {self.name!r} does not implement: split_kv")
         varlen_q = args.cu_seqlens_q is not None
         num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
@@ -208,12 +213,41 @@ class _CuteBackend(Backend):
             if lse is not None:
                 lse.fill_(float("-inf"))
             return
-        fn, _ = self.cache.get(self.config(q, k, v, lse, args), self.arch(q.device))
-        self.launch(fn, q, k, v, out, lse, args)
+        config, arch = self.config(q, k, v, lse, args), self.arch(q.device)
+        if not inference:
+            fn, _ = self.cache.get(config, arch)
+            self.launch(fn, q, k, v, out, lse, args)
+            return
+        from cutlass import Int32
+
+        from . import split_kv
+
+        page_table = args.page_table
+        if page_table is not None and page_table.stride(-1) != 1:
+            page_table = page_table.contiguous()
+        splits = split_kv.num_splits(q, k, args, config, heuristic="split_kv" in self.features)
+        if splits == 1:
+            fn, _ = self.cache.get(config, arch)
+            self.launch(fn, q, k, v, out, lse, args, extra=(_as_cute(page_table, 4), None, None, Int32(1)))
+            return
+        o_partial, lse_partial = split_kv.partials(q, v, args, splits, workspace)
+        fn, _ = self.cache.get(replace(config, split_kv=True, has_lse=False), arch)
+        self.launch(fn, q, k, v, out, None, args,
+                    extra=(_as_cute(page_table, 4), _as_cute(o_partial, 16), _as_cute(lse_partial, 4), Int32(splits)))
+        combine, _ = self.combine_cache.get(split_kv.combine_config(out, lse, args, config), arch)
+        split_kv.launch_combine(combine, o_partial, lse_partial, out, lse, k, args, _as_cute)
+
+    def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
+        if "backward" not in self.features | self.unverified:
+            raise NotImplementedError(f"backend {self.name!r} has no backward kernel yet")
+        from .cute_bwd import backward  # the sm_80 kernels (preprocess, main, postprocess)
+
+        backward(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args, deterministic)
 
     @staticmethod
-    def launch(fn, q, k, v, out, lse, args: AttnArgs) -> None:
-        """Run a compiled forward kernel on the current stream of q's device."""
+    def launch(fn, q, k, v, out, lse, args: AttnArgs, extra: tuple = ()) -> None:
+        """Run a compiled forward kernel on the current stream of q's device; `extra` are the
+        paged/split-KV arguments of kernels that take them."""
         import cuda.bindings.driver as cuda
         from cutlass import Float32, Int32
 
@@ -229,7 +263,7 @@ class _CuteBackend(Backend):
                 _as_cute(q, 16), _as_cute(k, 16), _as_cute(v, 16), _as_cute(out, 16), _as_cute(lse, 4),
                 _as_cute(args.cu_seqlens_q, 4), _as_cute(args.cu_seqlens_k, 4), _as_cute(args.seqused_k, 4),
                 Int32(num_batch), Int32(max_seqlen_q), Float32(scale_log2), Float32(softcap_prescale),
-                Int32(args.window_left), Int32(args.window_right), stream,
+                Int32(args.window_left), Int32(args.window_right), *extra, stream,
             )
 
 
@@ -239,6 +273,10 @@ class CuteSm80Backend(_CuteBackend):
     name = "cute-sm80"
     config_module = "cute_flash.kernels.sm80.fwd_config"
     sources = ("common", "sm80")
+    # Written and compiled for sm_80 and sm_90a; tests/gpu/test_paged_split_sm80.py and
+    # tests/gpu/test_bwd_sm80.py check them.
+    unverified = frozenset({"paged_kv", "split_kv", "backward"})
+    combine_cache = KernelCache("cute_flash.kernels.combine_config", (".", "common", "sm80"))
 
     def _gpu_reason(self) -> Optional[str]:
         major, _ = torch.cuda.get_device_capability()

@@ -18,6 +18,15 @@ One CTA computes one (query block, head, batch) tile of O:
 
 Tiles that hold no visible key do no loads and no MMAs; their rows get O = 0 and LSE = -inf.
 A CTA whose query rows all lie past seqlen_q writes nothing.
+
+Paged KV (`paged_kv`): K/V rows are gathered page by page (`common/paged.py`); everything else
+is unchanged. Split-KV (`split_kv`): the grid's z mode is (split, batch); the key blocks
+[0, n_blocks) of a sequence are cut into `num_splits` runs of n_per_split = ceil(n_blocks /
+num_splits) and split s attends run s (intersected with the mask's range), writing its
+normalised O and its LSE in float32 to the partial buffers (`kernels/combine.py` merges them).
+A split whose run starts at or past n_blocks exits before touching memory, so a grid sized
+for the longest sequence (e.g. a captured CUDA graph) writes nothing for the surplus splits;
+the combine derives the same count of live splits from the same lengths.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from cutlass.cute.nvgpu import warp
 
 from ..common.block_info import BlockInfo
 from ..common.mask import AttentionMask
+from ..common.paged import PagedKV
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import swizzle_params, smem_layout_tile
 from ..common.softmax import OnlineSoftmax
@@ -74,6 +84,10 @@ class FlashFwdSm80:
         softcap_prescale: Float32,  # scale / softcap (unused without softcap)
         window_left: Int32,  # -1 = unbounded
         window_right: Int32,
+        mPageTable: Optional[cute.Tensor],  # int32 (b, max_pages), with paged_kv
+        mOPartial: Optional[cute.Tensor],  # float32 (splits, *O's shape), with split_kv
+        mLSEPartial: Optional[cute.Tensor],  # float32 (splits, *LSE's shape), with split_kv
+        num_splits: Int32,  # 1 without split_kv
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -107,13 +121,14 @@ class FlashFwdSm80:
 
         num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
         num_heads = mQ.shape[2] if cutlass.const_expr(not cfg.varlen_q) else mQ.shape[1]
+        grid_z = num_batch * num_splits if cutlass.const_expr(cfg.split_kv) else num_batch
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
-            softmax_scale_log2, softcap_prescale, window_left, window_right,
+            mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mOPartial, mLSEPartial,
+            softmax_scale_log2, softcap_prescale, window_left, window_right, num_splits,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             gmem_copy_QK, gmem_copy_V, gmem_copy_O, tiled_mma, SharedStorage,
         ).launch(
-            grid=[num_m_blocks, num_heads, num_batch],
+            grid=[num_m_blocks, num_heads, grid_z],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -134,10 +149,14 @@ class FlashFwdSm80:
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        mOPartial: Optional[cute.Tensor],
+        mLSEPartial: Optional[cute.Tensor],
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
         window_right: Int32,
+        num_splits: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -150,16 +169,31 @@ class FlashFwdSm80:
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        block_x, head, batch = cute.arch.block_idx()
+        block_x, head, block_z = cute.arch.block_idx()
         m_block = block_x
         if cutlass.const_expr(cfg.causal):
             # Causal query blocks near the end see the most keys: launch them first.
             m_block = cute.arch.grid_dim()[0] - 1 - block_x
+        batch, split = block_z, Int32(0)
+        if cutlass.const_expr(cfg.split_kv):
+            batch, split = block_z // num_splits, block_z % num_splits
 
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-        if m_block * cfg.tile_m < seqlen.seqlen_q:
+        if cutlass.const_expr(cfg.paged_kv and not cfg.seqused_k):
+            # mK.shape[1] is the page size here, not a sequence length
+            seqlen = SeqlenInfo(seqlen.offset_q, seqlen.offset_k, seqlen.seqlen_q,
+                                PagedKV.capacity(mPageTable, mK), seqlen.varlen_q, seqlen.varlen_k)
+        split_range = None
+        live = m_block * cfg.tile_m < seqlen.seqlen_q
+        if cutlass.const_expr(cfg.split_kv):
+            n_blocks = (seqlen.seqlen_k + cfg.tile_n - 1) // cfg.tile_n
+            n_per_split = (n_blocks + num_splits - 1) // num_splits
+            split_range = (split * n_per_split, (split + 1) * n_per_split)
+            live = live & (split * n_per_split < n_blocks)
+        if live:
             self.attend_tile(
-                mQ, mK, mV, mO, mLSE, seqlen, m_block, head, batch, tidx,
+                mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, seqlen, split_range,
+                m_block, head, batch, split, tidx,
                 softmax_scale_log2, softcap_prescale, window_left, window_right,
                 sQ_layout, sK_layout, sV_layout, sO_layout,
                 gmem_copy_QK, gmem_copy_V, gmem_copy_O, tiled_mma, SharedStorage,
@@ -168,7 +202,8 @@ class FlashFwdSm80:
     @cute.jit
     def attend_tile(
         self,
-        mQ, mK, mV, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch, tidx,
+        mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, seqlen: SeqlenInfo, split_range,
+        m_block, head, batch, split, tidx,
         softmax_scale_log2, softcap_prescale, window_left, window_right,
         sQ_layout, sK_layout, sV_layout, sO_layout,
         gmem_copy_QK, gmem_copy_V, gmem_copy_O, tiled_mma, SharedStorage: cutlass.Constexpr,
@@ -182,8 +217,9 @@ class FlashFwdSm80:
 
         # ---- global tiles (every offset below is token * 64-bit stride) ----
         gQ = cute.local_tile(seqlen.q_rows(mQ, batch, head), (cfg.tile_m, cfg.head_dim), (m_block, 0))
-        gK = cute.local_tile(seqlen.k_rows(mK, batch, head_k), (cfg.tile_n, cfg.head_dim), (None, 0))
-        gV = cute.local_tile(seqlen.k_rows(mV, batch, head_k), (cfg.tile_n, cfg.head_dim_v), (None, 0))
+        if cutlass.const_expr(not cfg.paged_kv):
+            gK = cute.local_tile(seqlen.k_rows(mK, batch, head_k), (cfg.tile_n, cfg.head_dim), (None, 0))
+            gV = cute.local_tile(seqlen.k_rows(mV, batch, head_k), (cfg.tile_n, cfg.head_dim_v), (None, 0))
 
         # ---- shared memory ----
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -200,8 +236,9 @@ class FlashFwdSm80:
         thr_copy_QK = gmem_copy_QK.get_slice(tidx)
         thr_copy_V = gmem_copy_V.get_slice(tidx)
         tQgQ, tQsQ = thr_copy_QK.partition_S(gQ), thr_copy_QK.partition_D(sQ)
-        tKgK, tKsK = thr_copy_QK.partition_S(gK), thr_copy_QK.partition_D(sK)
-        tVgV, tVsV = thr_copy_V.partition_S(gV), thr_copy_V.partition_D(sV)
+        tKsK, tVsV = thr_copy_QK.partition_D(sK), thr_copy_V.partition_D(sV)
+        if cutlass.const_expr(not cfg.paged_kv):
+            tKgK, tVgV = thr_copy_QK.partition_S(gK), thr_copy_V.partition_S(gV)
         tQcQ = thr_copy_QK.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
         tKcK = thr_copy_QK.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
         tVcV = thr_copy_V.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim_v)))
@@ -242,15 +279,28 @@ class FlashFwdSm80:
             cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff, window_right_eff
         )
         n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
+        if cutlass.const_expr(cfg.split_kv):
+            n_block_min = cutlass.max(n_block_min, split_range[0])
+            n_block_max = cutlass.min(n_block_max, split_range[1])
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(tScS_mn, mode=[0]))
 
         k_rows_left = seqlen.seqlen_k - (n_block_max - 1) * cfg.tile_n
-        load_K = lambda n, stage, rows: self.load_tile(  # noqa: E731
-            gmem_copy_QK, tKgK[None, None, None, n], self.stage_of(tKsK, stage), tKcK, tQKpD, rows
-        )
-        load_V = lambda n, stage, rows: self.load_tile(  # noqa: E731
-            gmem_copy_V, tVgV[None, None, None, n], self.stage_of(tVsV, stage), tVcV, tVpD, rows
-        )
+        if cutlass.const_expr(cfg.paged_kv):
+            # every row is checked against seqlen_k, so the tail needs no row count
+            paged = PagedKV.create(mPageTable, batch, mK, seqlen.seqlen_k, cfg.tile_n)
+            load_K = lambda n, stage, rows: paged.load_tile(  # noqa: E731
+                gmem_copy_QK, mK, head_k, n, self.stage_of(tKsK, stage), tKcK, tQKpD, tidx, cfg.head_dim
+            )
+            load_V = lambda n, stage, rows: paged.load_tile(  # noqa: E731
+                gmem_copy_V, mV, head_k, n, self.stage_of(tVsV, stage), tVcV, tVpD, tidx, cfg.head_dim_v
+            )
+        else:
+            load_K = lambda n, stage, rows: self.load_tile(  # noqa: E731
+                gmem_copy_QK, tKgK[None, None, None, n], self.stage_of(tKsK, stage), tKcK, tQKpD, rows
+            )
+            load_V = lambda n, stage, rows: self.load_tile(  # noqa: E731
+                gmem_copy_V, tVgV[None, None, None, n], self.stage_of(tVsV, stage), tVcV, tVpD, rows
+            )
 
         if n_block_max > n_block_min:
             # ---- prologue: Q, K[last] and, with two stages, V[last] and K[last - 1] ----
@@ -289,8 +339,12 @@ class FlashFwdSm80:
         # ---- epilogue ----
         lse = cute.make_rmem_tensor(cute.size(tScS_mn, mode=[0]), Float32)
         softmax.finalize(acc_O, lse)
-        self.store_O(acc_O, lse, mO, mLSE, seqlen, m_block, head, batch, tidx, sQ, sO_layout,
-                     gmem_copy_O, tiled_mma, headdim_v)
+        if cutlass.const_expr(cfg.split_kv):
+            self.store_partial(acc_O, lse, self.split_slot(mOPartial, split), self.split_slot(mLSEPartial, split),
+                               seqlen, m_block, head, batch, tidx, tiled_mma, headdim_v)
+        else:
+            self.store_O(acc_O, lse, mO, mLSE, seqlen, m_block, head, batch, tidx, sQ, sO_layout,
+                         gmem_copy_O, tiled_mma, headdim_v)
 
     @cute.jit
     def attend_block(
@@ -415,6 +469,51 @@ class FlashFwdSm80:
                 cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
             cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
+    @staticmethod
+    def split_slot(t: cute.Tensor, split) -> cute.Tensor:
+        """Split `split`'s part of a partial buffer (its first mode): shaped like O or the LSE."""
+        return t[(split,) + (None,) * (cute.rank(t) - 1)]
+
+    @cute.jit
+    def store_lse(self, lse, mLSE, seqlen: SeqlenInfo, m_block, head, batch, tidx, tiled_mma):
+        """The lane holding column 0 of a row writes the row's LSE."""
+        cfg = self.cfg
+        rows_left = seqlen.seqlen_q - m_block * cfg.tile_m
+        gLSE = cute.local_tile(seqlen.lse_row(mLSE, batch, head), (cfg.tile_m,), (m_block,))
+        tOcO_mn = acc_mn_view(tiled_mma.get_slice(tidx).partition_C(
+            cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v))))
+        if tOcO_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
+                row = tOcO_mn[r, 0][0]
+                if row < rows_left:
+                    gLSE[row] = lse[r]
+
+    @cute.jit
+    def store_partial(self, acc_O, lse, mOp, mLSEp, seqlen: SeqlenInfo, m_block, head, batch, tidx,
+                      tiled_mma, headdim_v):
+        """Split-KV epilogue: normalised O and LSE of this split, float32, straight from registers.
+
+        Column pairs of the C fragment are adjacent, so each store is 64 bits; the partial rows
+        are re-read once by the combine, which is why they skip the shared-memory staging.
+        """
+        cfg = self.cfg
+        rows_left = seqlen.seqlen_q - m_block * cfg.tile_m
+        cute.arch.cp_async_wait_group(0)  # nothing may land in shared memory after the CTA exits
+        self.store_lse(lse, mLSEp, seqlen, m_block, head, batch, tidx, tiled_mma)
+        gO = cute.local_tile(seqlen.q_rows(mOp, batch, head), (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
+        thr_mma = tiled_mma.get_slice(tidx)
+        tOgO = acc_mn_view(thr_mma.partition_C(gO))
+        tOcO = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v))))
+        acc_O_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+            if tOcO[r, 0][0] < rows_left:
+                for c in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
+                    if cutlass.const_expr(cfg.check_hdim_v):
+                        if tOcO[r, c][1] < headdim_v:
+                            tOgO[r, c] = acc_O_mn[r, c]
+                    else:
+                        tOgO[r, c] = acc_O_mn[r, c]
+
     @cute.jit
     def store_O(
         self, acc_O, lse, mO, mLSE, seqlen: SeqlenInfo, m_block, head, batch, tidx, sQ, sO_layout,
@@ -425,16 +524,8 @@ class FlashFwdSm80:
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))  # cvt.rn: round to nearest even
 
-        # LSE: the lane holding column 0 of a row writes it.
         if cutlass.const_expr(mLSE is not None):
-            gLSE = cute.local_tile(seqlen.lse_row(mLSE, batch, head), (cfg.tile_m,), (m_block,))
-            tOcO_mn = acc_mn_view(tiled_mma.get_slice(tidx).partition_C(
-                cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v))))
-            if tOcO_mn[0, 0][1] == 0:
-                for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
-                    row = tOcO_mn[r, 0][0]
-                    if row < rows_left:
-                        gLSE[row] = lse[r]
+            self.store_lse(lse, mLSE, seqlen, m_block, head, batch, tidx, tiled_mma)
 
         # Every warp is done reading sQ / sV before O overwrites the Q tile.
         cute.arch.cp_async_wait_group(0)

@@ -74,6 +74,8 @@ class Sm80FwdConfig:
     varlen_q: bool = False
     varlen_k: bool = False
     seqused_k: bool = False
+    paged_kv: bool = False  # k/v are (num_pages, page_size, hk, d) and rows are gathered per page
+    split_kv: bool = False  # each split of the keys writes float32 partial O and LSE (mO/mLSE unused)
     has_lse: bool = True
     min_ctas_per_sm: int = 0
 
@@ -85,6 +87,8 @@ class Sm80FwdConfig:
                 raise ValueError(f"{name} must be one of {TILE_HEADDIMS}; got {getattr(self, name)}")
         if self.causal and self.local:
             raise ValueError("causal and local exclude each other (causal is the window (-1, 0))")
+        if self.paged_kv and self.varlen_k:
+            raise ValueError("paged_kv and varlen_k exclude each other (a paged cache has no cu_seqlens_k)")
         if self.num_stages not in (1, 2):
             raise ValueError(f"num_stages must be 1 or 2; got {self.num_stages}")
 
@@ -96,7 +100,8 @@ class Sm80FwdConfig:
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k") if getattr(self, f)]
+        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "paged_kv", "split_kv")
+                 if getattr(self, f)]
         if self.check_hdim:
             flags.append("padded")
         if self.check_hdim_v:
@@ -109,7 +114,13 @@ class Sm80FwdConfig:
 
 
 def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80FwdConfig:
-    """The shipped configuration for actual head dims (any multiples of 8 up to 256) and flags."""
+    """The shipped configuration for actual head dims (any multiples of 8 up to 256) and flags.
+
+    With split_kv the kernel writes partial LSEs and the combine the final one, so has_lse is
+    off: one forward kernel serves calls with and without return_lse.
+    """
+    if flags.get("split_kv"):
+        flags["has_lse"] = False
     hd, hdv = padded_headdim(head_dim), padded_headdim(head_dim_v)
     tile = TILES[max(hd, hdv)]
     return Sm80FwdConfig(
@@ -148,6 +159,15 @@ def shipped_configs() -> list:
             replace(base, check_hdim=True, check_hdim_v=True),
         ]
     configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64)]
+    # inference: the paged split-KV decode kernel per large head dim, paged alone (the table's
+    # full capacity as the key length), and split-KV over packed keys
+    for d in (64, 128, 256):
+        configs.append(make_config("bfloat16", d, d, paged_kv=True, seqused_k=True, split_kv=True))
+    configs += [
+        make_config("float16", 128, 128, paged_kv=True, causal=True),
+        make_config("bfloat16", 128, 128, split_kv=True, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
+        make_config("float16", 40, 40, paged_kv=True, varlen_q=True, split_kv=True, local=True),
+    ]
     return configs
 
 
@@ -173,16 +193,25 @@ def fake_arguments(config: Sm80FwdConfig) -> tuple:
     def int_vector():
         return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
 
-    if config.has_lse:
-        rank = 2 if config.varlen_q else 3
-        lse = make_fake_tensor(
+    def float32_tensor(rank: int, divisibility: int = 1):
+        return make_fake_tensor(
             cutlass.Float32,
             tuple(cute.sym_int32() for _ in range(rank)),
-            tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
-            assumed_align=4,
+            tuple(cute.sym_int64(divisibility=divisibility) for _ in range(rank - 1)) + (1,),
+            assumed_align=4 * divisibility,
         )
-    else:
-        lse = None
+
+    lse_rank = 2 if config.varlen_q else 3
+    lse = float32_tensor(lse_rank) if config.has_lse else None
+    page_table = None
+    if config.paged_kv:
+        page_table = make_fake_tensor(
+            cutlass.Int32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1), assumed_align=4
+        )
+    # split-KV partials: out-shaped and LSE-shaped with a leading split mode; rows of O are
+    # whole float32 vectors of 4
+    o_partial = float32_tensor(5 - config.varlen_q, divisibility=4) if config.split_kv else None
+    lse_partial = float32_tensor(lse_rank + 1) if config.split_kv else None
     return (
         tokens_tensor(config.varlen_q),  # q
         tokens_tensor(config.varlen_k),  # k
@@ -198,6 +227,10 @@ def fake_arguments(config: Sm80FwdConfig) -> tuple:
         cutlass.Float32(1.0),  # softcap_prescale
         cutlass.Int32(-1),  # window_left
         cutlass.Int32(-1),  # window_right
+        page_table,
+        o_partial,
+        lse_partial,
+        cutlass.Int32(1),  # num_splits
     )
 
 

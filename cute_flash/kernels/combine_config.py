@@ -1,0 +1,149 @@
+"""Compile-time configuration of the split-KV combine kernel (`combine.py`), its compile helper,
+the number-of-splits heuristic, and the audit targets.
+
+The combine's key is small: output dtype, padded head dim of V, how rows and key lengths are
+found (varlen / seqused_k), whether an LSE is written, and `tile_n` of the forward kernel whose
+partition of the key blocks it has to reproduce.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from .sm80.fwd_config import DTYPES, TILE_HEADDIMS, padded_headdim
+
+MAX_SPLITS = 64  # the heuristic's ceiling; an explicit num_splits is clamped to the key blocks only
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    dtype: str  # output dtype, "float16" | "bfloat16"
+    head_dim_v: int  # padded, one of TILE_HEADDIMS
+    tile_n: int  # key-block size of the forward kernel that wrote the partials
+    check_hdim_v: bool = False  # the actual head dim is below head_dim_v
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_k: bool = False
+    has_lse: bool = True
+    rows_per_cta: int = 4  # one warp per (row, head)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
+        if self.head_dim_v not in TILE_HEADDIMS:
+            raise ValueError(f"head_dim_v must be one of {TILE_HEADDIMS}; got {self.head_dim_v}")
+        if self.tile_n <= 0 or self.tile_n % 16:
+            raise ValueError(f"tile_n must be a positive multiple of 16; got {self.tile_n}")
+
+    @property
+    def name(self) -> str:
+        flags = [f for f in ("varlen_q", "varlen_k", "seqused_k") if getattr(self, f)]
+        if self.check_hdim_v:
+            flags.append("paddedv")
+        if not self.has_lse:
+            flags.append("nolse")
+        return "_".join(["combine", self.dtype, f"hd{self.head_dim_v}", f"n{self.tile_n}", f"r{self.rows_per_cta}"]
+                        + flags)
+
+
+def make_config(dtype: str, head_dim_v: int, tile_n: int, **flags) -> CombineConfig:
+    """The combine for an actual V head dim (a multiple of 8 up to 256) and the forward's tile_n."""
+    hdv = padded_headdim(head_dim_v)
+    return CombineConfig(dtype=dtype, head_dim_v=hdv, tile_n=tile_n, check_hdim_v=hdv != head_dim_v, **flags)
+
+
+def num_splits_heuristic(num_tiles: int, num_sms: int, num_n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits for `num_tiles` = batch x heads x query blocks CTAs over `num_n_blocks` key blocks.
+
+    Split only when the unsplit grid leaves SMs idle (fewer tiles than 80% of the SMs). Among
+    the split counts that change the blocks per split (ceil(n / s) differs from ceil(n / (s-1)),
+    the others only add empty work), pick the smallest whose wave efficiency, waves / ceil(waves)
+    with waves = tiles * s / SMs, is within 85% of the best: more splits than that add partial
+    traffic and combine work for little more occupancy.
+    """
+    if num_tiles <= 0 or num_n_blocks <= 1 or num_tiles >= 0.8 * num_sms:
+        return 1
+    limit = min(max_splits, num_sms, num_n_blocks)
+
+    def useful(s: int) -> bool:
+        return s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))
+
+    def efficiency(s: int) -> float:
+        waves = num_tiles * s / num_sms
+        return waves / math.ceil(waves)
+
+    candidates = [s for s in range(1, limit + 1) if useful(s)]
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= 0.85 * best)
+
+
+def shipped_configs() -> list:
+    """The combines of the shipped split-KV forward configurations (`sm80.fwd_config`)."""
+    from .sm80 import fwd_config
+
+    configs = []
+    for fwd in fwd_config.shipped_configs():
+        if fwd.split_kv:
+            config = CombineConfig(
+                dtype=fwd.dtype, head_dim_v=fwd.head_dim_v, tile_n=fwd.tile_n, check_hdim_v=fwd.check_hdim_v,
+                varlen_q=fwd.varlen_q, varlen_k=fwd.varlen_k, seqused_k=fwd.seqused_k,
+            )
+            if config not in configs:
+                configs.append(config)
+    return configs
+
+
+def fake_arguments(config: CombineConfig) -> tuple:
+    """Arguments of `FlashCombine.__call__` (less the stream) for `cute.compile`."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+
+    def tensor(dt, rank: int, divisibility: int, align: int):
+        shape = tuple(cute.sym_int32() for _ in range(rank))
+        stride = tuple(cute.sym_int64(divisibility=divisibility) for _ in range(rank - 1)) + (1,)
+        return make_fake_tensor(dt, shape, stride, assumed_align=align)
+
+    def int_vector():
+        return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
+
+    o_rank = 3 if config.varlen_q else 4
+    lse_rank = 2 if config.varlen_q else 3
+    return (
+        tensor(cutlass.Float32, o_rank + 1, 4, 16),  # o_partial
+        tensor(cutlass.Float32, lse_rank + 1, 1, 4),  # lse_partial
+        tensor(dtype, o_rank, 8, 16),  # out
+        tensor(cutlass.Float32, lse_rank, 1, 4) if config.has_lse else None,
+        int_vector() if config.varlen_q else None,
+        int_vector() if config.varlen_k else None,
+        int_vector() if config.seqused_k else None,
+        cutlass.Int32(1),  # seqlen_k
+        cutlass.Int32(1),  # num_batch
+        cutlass.Int32(1),  # max_seqlen_q
+        cutlass.Int32(1),  # num_splits
+    )
+
+
+def compile_fwd(config: CombineConfig, options: str = "--gpu-arch sm_80"):
+    """cute.compile the combine of `config` (named for `backends.cute.KernelCache`, which compiles
+    every kernel of the forward pass through its config module's `compile_fwd`)."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+
+    from .combine import FlashCombine
+
+    return cute.compile(FlashCombine(config), *fake_arguments(config), cuda.CUstream(0), options=options)
+
+
+def audit_targets(arch: str) -> list:
+    """One audit target per shipped combine configuration (see `cute_flash.audit`)."""
+    from cute_flash.audit import AuditTarget
+
+    def compiler(config) -> Callable:
+        return lambda options: compile_fwd(config, options)
+
+    return [AuditTarget(config.name, arch, compiler(config)) for config in shipped_configs()]

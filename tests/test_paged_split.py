@@ -1,0 +1,221 @@
+"""Paged KV and split-KV on the CPU: configuration flags, the number-of-splits heuristic, the
+partial buffers, the API gate while the features are unverified, and compiles of the paged /
+split forward kernel and of the combine kernel for sm_80 and sm_90a without spills."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+
+from cute_flash import api  # noqa: E402
+from cute_flash.backends import split_kv  # noqa: E402
+from cute_flash.backends.base import AttnArgs  # noqa: E402
+from cute_flash.backends.cute import CuteSm80Backend  # noqa: E402
+from cute_flash.kernels import combine_config as cc  # noqa: E402
+from cute_flash.kernels.sm80 import fwd_config as fc  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------
+# configurations
+# ------------------------------------------------------------------------------------------------
+def test_call_with_page_table_selects_the_paged_kernel():
+    q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16)
+    k = torch.empty(10, 16, 2, 128, dtype=torch.bfloat16)
+    args = AttnArgs(0.1, page_table=torch.zeros(2, 4, dtype=torch.int32), seqused_k=torch.ones(2, dtype=torch.int32))
+    config = CuteSm80Backend().config(q, k, k, None, args)
+    assert config.paged_kv and config.seqused_k and not config.varlen_k and not config.split_kv
+
+
+def test_split_kv_config_leaves_the_lse_to_the_combine():
+    config = fc.make_config("bfloat16", 128, 128, split_kv=True)
+    assert config.split_kv and not config.has_lse
+
+
+def test_paged_kv_excludes_packed_keys():
+    with pytest.raises(ValueError, match="paged_kv"):
+        fc.make_config("bfloat16", 128, 128, paged_kv=True, varlen_k=True)
+
+
+def test_at_most_six_shipped_inference_configs_and_a_combine_for_each_split_one():
+    inference = [c for c in fc.shipped_configs() if c.paged_kv or c.split_kv]
+    assert 1 <= len(inference) <= 6
+    splits = [c for c in inference if c.split_kv]
+    combines = cc.shipped_configs()
+    assert {(c.dtype, c.head_dim_v, c.tile_n, c.varlen_q) for c in splits} == {
+        (c.dtype, c.head_dim_v, c.tile_n, c.varlen_q) for c in combines
+    }
+    assert len({c.name for c in combines}) == len(combines)
+
+
+def test_combine_config_pads_the_head_dim_and_names_its_flags():
+    config = cc.make_config("float16", 40, 64, varlen_q=True)
+    assert (config.head_dim_v, config.check_hdim_v) == (64, True)
+    assert "varlen_q" in config.name and "paddedv" in config.name
+    assert cc.make_config("float16", 64, 64).name != cc.make_config("float16", 64, 128).name
+    with pytest.raises(ValueError, match="tile_n"):
+        cc.CombineConfig("float16", 64, 40)
+
+
+# ------------------------------------------------------------------------------------------------
+# the number of splits
+# ------------------------------------------------------------------------------------------------
+def test_heuristic_does_not_split_a_grid_that_fills_the_gpu():
+    assert cc.num_splits_heuristic(num_tiles=132, num_sms=132, num_n_blocks=1000) == 1
+    assert cc.num_splits_heuristic(num_tiles=106, num_sms=132, num_n_blocks=1000) == 1
+
+
+def test_heuristic_splits_a_small_decode_grid():
+    # batch 1, 32 heads, one query block, 8k keys in blocks of 64, on 132 SMs
+    splits = cc.num_splits_heuristic(num_tiles=32, num_sms=132, num_n_blocks=128)
+    assert splits > 1
+    waves = 32 * splits / 132
+    assert waves / -(-waves // 1) >= 0.85 * max(
+        (32 * s / 132) / -(-(32 * s / 132) // 1) for s in range(1, 65)
+    )
+
+
+def test_heuristic_never_exceeds_key_blocks_sms_or_the_ceiling():
+    for tiles in (1, 3, 8, 50):
+        for n_blocks in (0, 1, 2, 3, 7, 64, 5000):
+            for sms in (4, 108, 132):
+                s = cc.num_splits_heuristic(tiles, sms, n_blocks, max_splits=16)
+                assert 1 <= s <= max(1, min(16, sms, n_blocks)), (tiles, n_blocks, sms, s)
+
+
+def test_heuristic_skips_split_counts_that_leave_the_blocks_per_split_unchanged():
+    # 10 key blocks: 4 splits give 3 blocks each, and so does 5 -> 2; a chosen count is always
+    # one where ceil(10 / s) drops
+    for tiles in range(1, 40):
+        s = cc.num_splits_heuristic(tiles, 132, 10)
+        assert s == 1 or -(-10 // s) != -(-10 // (s - 1))
+
+
+def _decode(batch=2, nheads=8, d=64, page_size=16, max_pages=8, num_splits=0, max_seqlen_k=None):
+    q = torch.empty(batch, 1, nheads, d, dtype=torch.bfloat16)
+    k = torch.empty(batch * max_pages, page_size, 2, d, dtype=torch.bfloat16)
+    args = AttnArgs(0.1, page_table=torch.zeros(batch, max_pages, dtype=torch.int32), num_splits=num_splits,
+                    max_seqlen_k=max_seqlen_k)
+    return q, k, args
+
+
+def test_explicit_num_splits_is_clamped_to_the_key_blocks_of_the_longest_sequence():
+    q, k, args = _decode(num_splits=16, max_seqlen_k=130)  # 130 keys: 3 blocks of 64
+    config = fc.make_config("bfloat16", 64, 64, paged_kv=True)
+    assert split_kv.num_splits(q, k, args, config, heuristic=False) == 3
+    q, k, args = _decode(num_splits=2)  # capacity 8 * 16 = 128 keys: 2 blocks
+    assert split_kv.num_splits(q, k, args, config, heuristic=False) == 2
+
+
+def test_num_splits_keeps_batch_times_splits_within_the_grid():
+    q, k, args = _decode(batch=5000, page_size=1, max_pages=1, num_splits=64, max_seqlen_k=1 << 20)
+    config = fc.make_config("bfloat16", 64, 64, paged_kv=True)
+    splits = split_kv.num_splits(q, k, args, config, heuristic=False)
+    assert splits == 13 and 5000 * splits <= split_kv.GRID_Z_LIMIT
+
+
+def test_heuristic_is_off_until_split_kv_is_verified():
+    q, k, args = _decode(num_splits=0, max_seqlen_k=8192)
+    config = fc.make_config("bfloat16", 64, 64, paged_kv=True)
+    assert split_kv.num_splits(q, k, args, config, heuristic=False) == 1
+
+
+def test_partial_buffers_have_a_leading_split_mode():
+    q = torch.empty(3, 5, 8, 64)
+    v = torch.empty(3, 100, 2, 96)
+    o_shape, lse_shape = split_kv.partial_shapes(q, v, AttnArgs(0.1), 4)
+    assert o_shape == (4, 3, 5, 8, 96) and lse_shape == (4, 3, 8, 5)
+    qv = torch.empty(17, 8, 64)
+    args = AttnArgs(0.1, cu_seqlens_q=torch.tensor([0, 10, 17], dtype=torch.int32))
+    assert split_kv.partial_shapes(qv, v, args, 2) == ((2, 17, 8, 96), (2, 8, 17))
+
+
+def test_a_workspace_of_the_wrong_shape_is_rejected():
+    q = torch.empty(3, 5, 8, 64)
+    v = torch.empty(3, 100, 2, 64)
+    bad = (torch.empty(4, 3, 5, 8, 64), torch.empty(4, 3, 8, 6))
+    with pytest.raises(ValueError, match="lse_partial"):
+        split_kv.partials(q, v, AttnArgs(0.1), 4, bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# the API refuses the unverified features
+# ------------------------------------------------------------------------------------------------
+def test_sm80_backend_declares_paged_and_split_kv_unverified_not_verified():
+    backend = CuteSm80Backend()
+    assert {"paged_kv", "split_kv"} <= backend.unverified
+    assert not {"paged_kv", "split_kv"} & backend.features
+
+
+@pytest.mark.parametrize("feature", ["paged_kv", "split_kv"])
+def test_api_refuses_unverified_paged_and_split_kv_naming_them(feature, monkeypatch):
+    backend = CuteSm80Backend()
+    monkeypatch.setattr(backend, "unavailable_reason", lambda: None)
+    q, k, args = _decode(num_splits=4 if feature == "split_kv" else 1)
+    if feature == "split_kv":
+        args.page_table = None
+    with pytest.raises(NotImplementedError, match=f"{feature}.*not yet verified"):
+        api._check_features(backend, args, q, k)
+
+
+def test_the_sm90_backend_does_not_take_paged_or_split_calls():
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    q, k, args = _decode()
+    with pytest.raises(NotImplementedError, match="paged_kv"):
+        CuteSm90Backend().fwd(q, k, k, torch.empty(2, 1, 8, 64), None, args)
+
+
+# ------------------------------------------------------------------------------------------------
+# compiles (each several seconds on one core)
+# ------------------------------------------------------------------------------------------------
+FWD_COMPILED = [
+    ("sm_80", fc.make_config("bfloat16", 128, 128, paged_kv=True, seqused_k=True, split_kv=True)),
+    ("sm_90a", fc.make_config("bfloat16", 128, 128, paged_kv=True, seqused_k=True, split_kv=True)),
+    ("sm_90a", fc.make_config("float16", 256, 256, paged_kv=True, causal=True)),
+]
+COMBINE_COMPILED = [
+    ("sm_80", cc.make_config("bfloat16", 128, 64, seqused_k=True)),
+    ("sm_90a", cc.make_config("float16", 40, 64, varlen_q=True, varlen_k=True, has_lse=False)),
+    ("sm_90a", cc.make_config("bfloat16", 192, 128, seqused_k=True)),
+]
+
+
+def _audit(name, arch, compile_fn):
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    row = audit.audit_target(audit.AuditTarget(name, arch, compile_fn))
+    assert row.error is None, row.error
+    assert not row.spills, f"{row.spill_stores}/{row.spill_loads} bytes spilled, SASS {row.sass}"
+    return row
+
+
+@pytest.mark.parametrize("arch,config", FWD_COMPILED, ids=[f"{a}-{c.name}" for a, c in FWD_COMPILED])
+def test_paged_split_kernel_compiles_without_spills_gathering_with_ldgsts(arch, config):
+    row = _audit(config.name, arch, lambda options: fc.compile_fwd(config, options))
+    for op in ("HMMA", "LDSM", "LDGSTS"):
+        assert row.sass[op] > 0, f"no {op} in the SASS: {row.sass}"
+
+
+@pytest.mark.parametrize("arch,config", COMBINE_COMPILED, ids=[f"{a}-{c.name}" for a, c in COMBINE_COMPILED])
+def test_combine_compiles_without_spills_or_local_memory(arch, config):
+    row = _audit(config.name, arch, lambda options: cc.compile_fwd(config, options))
+    assert row.sass["LDL"] == 0 and row.sass["STL"] == 0
+
+
+def test_combine_reads_partials_with_128_bit_loads_and_rounds_to_nearest_even(tmp_path):
+    config = cc.make_config("bfloat16", 128, 64)
+    compiled = cc.compile_fwd(config, f"--gpu-arch sm_80 --keep-ptx --dump-dir {tmp_path}")
+    ptx = compiled.artifacts.PTX
+    assert "ld.global.v4" in ptx, "partial O rows are not read as 128-bit vectors"
+    assert "cvt.rn.bf16x2.f32" in ptx
+
+
+def test_combine_audit_targets_cover_its_shipped_configs():
+    targets = cc.audit_targets("sm_90a")
+    assert [t.name for t in targets] == [c.name for c in cc.shipped_configs()]
