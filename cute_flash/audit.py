@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Optional
@@ -62,6 +63,11 @@ class AuditTarget:
     name: str  # e.g. "sm80_fwd_hd128_bf16_causal"
     arch: str  # "sm_80" or "sm_90a"
     compile: Callable[[str], object]  # cute.compile options string -> compiled object
+
+
+def targets(arch: str, configs, compile_config: Callable) -> list:
+    """One `AuditTarget` per kernel configuration, built by `compile_config(config, options)`."""
+    return [AuditTarget(config.name, arch, partial(compile_config, config)) for config in configs]
 
 
 @dataclass

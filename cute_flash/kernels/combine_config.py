@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
-from .sm80.fwd_config import DTYPES, TILE_HEADDIMS, padded_headdim
+from .common.tiles import pad_headdim
+from .sm80.fwd_config import DTYPES, TILE_HEADDIMS
 
 MAX_SPLITS = 64  # the heuristic's ceiling; an explicit num_splits is clamped to the key blocks only
 
@@ -50,7 +50,7 @@ class CombineConfig:
 
 def make_config(dtype: str, head_dim_v: int, tile_n: int, **flags) -> CombineConfig:
     """The combine for an actual V head dim (a multiple of 8 up to 256) and the forward's tile_n."""
-    hdv = padded_headdim(head_dim_v)
+    hdv = pad_headdim(head_dim_v, TILE_HEADDIMS)
     return CombineConfig(dtype=dtype, head_dim_v=hdv, tile_n=tile_n, check_hdim_v=hdv != head_dim_v, **flags)
 
 
@@ -141,9 +141,6 @@ def compile_fwd(config: CombineConfig, options: str = "--gpu-arch sm_80"):
 
 def audit_targets(arch: str) -> list:
     """One audit target per shipped combine configuration (see `cute_flash.audit`)."""
-    from cute_flash.audit import AuditTarget
+    from cute_flash.audit import targets
 
-    def compiler(config) -> Callable:
-        return lambda options: compile_fwd(config, options)
-
-    return [AuditTarget(config.name, arch, compiler(config)) for config in shipped_configs()]
+    return targets(arch, shipped_configs(), compile_fwd)

@@ -18,7 +18,9 @@ does not do, so they are refused by name (`UnsupportedHeadDim`).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+
+from ..common.tiles import pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128)
 DTYPES = ("float16", "bfloat16")
@@ -47,15 +49,6 @@ class UnsupportedHeadDim(NotImplementedError):
 # tiles are 64 columns wide (16-bit elements) or a multiple of that.
 PRE_THREADS_PER_ROW = 8
 ROW_KERNEL_COLS = 64
-
-
-def padded_headdim(d: int) -> int:
-    for t in TILE_HEADDIMS:
-        if d <= t:
-            return t
-    raise UnsupportedHeadDim(
-        f"the sm_80 backward kernel supports head dims up to {TILE_HEADDIMS[-1]}; got head dim {d}"
-    )
 
 
 @dataclass(frozen=True)
@@ -162,7 +155,7 @@ def make_post_config(dtype: str, head_dim: int, varlen_q: bool) -> Sm80BwdPostCo
 
 def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80BwdConfig:
     """The configuration for actual head dims (multiples of 8 up to 128) and feature flags."""
-    hd, hdv = padded_headdim(head_dim), padded_headdim(head_dim_v)
+    hd, hdv = (pad_headdim(d, TILE_HEADDIMS, UnsupportedHeadDim) for d in (head_dim, head_dim_v))
     tile = TILES[max(hd, hdv)]
     return Sm80BwdConfig(
         dtype=dtype,
@@ -311,9 +304,6 @@ compile_fwd = compile_kernel
 
 def audit_targets(arch: str) -> list:
     """One audit target per shipped configuration (see `cute_flash.audit`)."""
-    from cute_flash.audit import AuditTarget
+    from cute_flash.audit import targets
 
-    def compiler(config) -> Callable:
-        return lambda options: compile_kernel(config, options)
-
-    return [AuditTarget(config.name, arch, compiler(config)) for config in shipped_configs()]
+    return targets(arch, shipped_configs(), compile_kernel)

@@ -20,7 +20,9 @@ with a causal mask, so hd128 takes 64x64 with 4 warps and two stages.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+
+from ..common.tiles import pad_headdim
 
 # Head dims with a tile of their own; any other multiple of 8 runs in the next one up, its
 # padding columns zero-filled on load and never stored.
@@ -48,13 +50,6 @@ TILES = {
     192: Tile(128, 64, 8, 1),
     256: Tile(64, 64, 4, 1),
 }
-
-
-def padded_headdim(d: int) -> int:
-    for t in TILE_HEADDIMS:
-        if d <= t:
-            return t
-    raise ValueError(f"head dim {d} exceeds the largest tile ({TILE_HEADDIMS[-1]})")
 
 
 @dataclass(frozen=True)
@@ -121,7 +116,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80FwdC
     """
     if flags.get("split_kv"):
         flags["has_lse"] = False
-    hd, hdv = padded_headdim(head_dim), padded_headdim(head_dim_v)
+    hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = TILES[max(hd, hdv)]
     return Sm80FwdConfig(
         dtype=dtype,
@@ -246,9 +241,6 @@ def compile_fwd(config: Sm80FwdConfig, options: str = "--gpu-arch sm_80"):
 
 def audit_targets(arch: str) -> list:
     """One audit target per shipped configuration (see `cute_flash.audit`)."""
-    from cute_flash.audit import AuditTarget
+    from cute_flash.audit import targets
 
-    def compiler(config) -> Callable:
-        return lambda options: compile_fwd(config, options)
-
-    return [AuditTarget(config.name, arch, compiler(config)) for config in shipped_configs()]
+    return targets(arch, shipped_configs(), compile_fwd)

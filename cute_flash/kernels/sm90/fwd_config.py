@@ -28,7 +28,9 @@ overlap is on everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+
+from ..common.tiles import pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128, 192, 256)
 DTYPES = ("float16", "bfloat16")
@@ -55,13 +57,6 @@ TILES = {
 REGISTERS = {2: (240, 24), 3: (160, 32)}
 
 SMEM_LIMIT = 227 * 1024
-
-
-def padded_headdim(d: int) -> int:
-    for t in TILE_HEADDIMS:
-        if d <= t:
-            return t
-    raise ValueError(f"head dim {d} exceeds the largest tile ({TILE_HEADDIMS[-1]})")
 
 
 @dataclass(frozen=True)
@@ -137,7 +132,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     Head dims below a tile's are not a separate configuration: TMA zero-fills the columns past
     the actual head dim on load and clips them on store.
     """
-    hd, hdv = padded_headdim(head_dim), padded_headdim(head_dim_v)
+    hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = TILES[max(hd, hdv)]
     flags.setdefault("pingpong", tile.pingpong and flags.get("intra_wg_overlap", True))
     return Sm90FwdConfig(
@@ -239,12 +234,6 @@ def compile_fwd(config: Sm90FwdConfig, options: str = "--gpu-arch sm_90a"):
 
 def audit_targets(arch: str) -> list:
     """One audit target per shipped configuration (see `cute_flash.audit`); sm_90a only."""
-    from cute_flash.audit import AuditTarget
+    from cute_flash.audit import targets
 
-    if arch != "sm_90a":
-        return []
-
-    def compiler(config) -> Callable:
-        return lambda options: compile_fwd(config, options)
-
-    return [AuditTarget(config.name, arch, compiler(config)) for config in shipped_configs()]
+    return targets(arch, shipped_configs(), compile_fwd) if arch == "sm_90a" else []
