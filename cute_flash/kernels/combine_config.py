@@ -98,29 +98,19 @@ def shipped_configs() -> list:
 def fake_arguments(config: CombineConfig) -> tuple:
     """Arguments of `FlashCombine.__call__` (less the stream) for `cute.compile`."""
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
 
-    dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
-
-    def tensor(dt, rank: int, divisibility: int, align: int):
-        shape = tuple(cute.sym_int32() for _ in range(rank))
-        stride = tuple(cute.sym_int64(divisibility=divisibility) for _ in range(rank - 1)) + (1,)
-        return make_fake_tensor(dt, shape, stride, assumed_align=align)
-
-    def int_vector():
-        return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
+    from .common.fake_tensors import element_type, fake_int_vector, fake_tensor, fake_tokens
 
     o_rank = 3 if config.varlen_q else 4
     lse_rank = 2 if config.varlen_q else 3
     return (
-        tensor(cutlass.Float32, o_rank + 1, 4, 16),  # o_partial
-        tensor(cutlass.Float32, lse_rank + 1, 1, 4),  # lse_partial
-        tensor(dtype, o_rank, 8, 16),  # out
-        tensor(cutlass.Float32, lse_rank, 1, 4) if config.has_lse else None,
-        int_vector() if config.varlen_q else None,
-        int_vector() if config.varlen_k else None,
-        int_vector() if config.seqused_k else None,
+        fake_tensor(cutlass.Float32, o_rank + 1, 4, 16),  # o_partial
+        fake_tensor(cutlass.Float32, lse_rank + 1),  # lse_partial
+        fake_tokens(element_type(config.dtype), config.varlen_q),  # out
+        fake_tensor(cutlass.Float32, lse_rank) if config.has_lse else None,
+        fake_int_vector() if config.varlen_q else None,
+        fake_int_vector() if config.varlen_k else None,
+        fake_int_vector() if config.seqused_k else None,
         cutlass.Int32(1),  # seqlen_k
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_q

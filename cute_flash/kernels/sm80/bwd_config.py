@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from ..common.fake_tensors import element_type, fake_int_vector, fake_tensor, fake_tokens
 from ..common.tiles import pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128)
@@ -197,36 +198,11 @@ def shipped_configs() -> list:
 # ------------------------------------------------------------------------------------------------
 # compiling a configuration (no GPU needed: fake tensors with symbolic sizes and 64-bit strides)
 # ------------------------------------------------------------------------------------------------
-def _fake_tokens(dtype, varlen: bool, divisibility: int):
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
-
-    rank = 3 if varlen else 4
-    shape = tuple(cute.sym_int32() for _ in range(rank))
-    stride = tuple(cute.sym_int64(divisibility=divisibility) for _ in range(rank - 1)) + (1,)
-    return make_fake_tensor(dtype, shape, stride, assumed_align=16)
-
-
 def _fake_row_stats(varlen: bool):
+    """LSE / D: (batch, heads, seqlen) float32, or (heads, total) for packed sequences."""
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
 
-    rank = 2 if varlen else 3
-    return make_fake_tensor(
-        cutlass.Float32,
-        tuple(cute.sym_int32() for _ in range(rank)),
-        tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
-        assumed_align=4,
-    )
-
-
-def _fake_int_vector():
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
-
-    return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
+    return fake_tensor(cutlass.Float32, 2 if varlen else 3)
 
 
 def fake_arguments(config: Sm80BwdConfig) -> tuple:
@@ -234,20 +210,20 @@ def fake_arguments(config: Sm80BwdConfig) -> tuple:
     symbolic, every stride but the last a 64-bit multiple of 8 elements (4 for fp32)."""
     import cutlass
 
-    dtype = _dtype(config)
+    dtype = element_type(config.dtype)
     return (
-        _fake_tokens(dtype, config.varlen_q, 8),  # q
-        _fake_tokens(dtype, config.varlen_k, 8),  # k
-        _fake_tokens(dtype, config.varlen_k, 8),  # v
-        _fake_tokens(dtype, config.varlen_q, 8),  # dout
+        fake_tokens(dtype, config.varlen_q, 8),  # q
+        fake_tokens(dtype, config.varlen_k, 8),  # k
+        fake_tokens(dtype, config.varlen_k, 8),  # v
+        fake_tokens(dtype, config.varlen_q, 8),  # dout
         _fake_row_stats(config.varlen_q),  # lse_log2
         _fake_row_stats(config.varlen_q),  # delta
-        _fake_tokens(cutlass.Float32, config.varlen_q, 4),  # dq_accum
-        _fake_tokens(dtype, config.varlen_k, 8),  # dk
-        _fake_tokens(dtype, config.varlen_k, 8),  # dv
-        _fake_int_vector() if config.varlen_q else None,
-        _fake_int_vector() if config.varlen_k else None,
-        _fake_int_vector() if config.seqused_k else None,
+        fake_tokens(cutlass.Float32, config.varlen_q, 4),  # dq_accum
+        fake_tokens(dtype, config.varlen_k, 8),  # dk
+        fake_tokens(dtype, config.varlen_k, 8),  # dv
+        fake_int_vector() if config.varlen_q else None,
+        fake_int_vector() if config.varlen_k else None,
+        fake_int_vector() if config.seqused_k else None,
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_k
         cutlass.Float32(1.0),  # softmax_scale
@@ -256,12 +232,6 @@ def fake_arguments(config: Sm80BwdConfig) -> tuple:
         cutlass.Int32(-1),  # window_left
         cutlass.Int32(-1),  # window_right
     )
-
-
-def _dtype(config):
-    import cutlass
-
-    return cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
 
 
 def compile_kernel(config, options: str = "--gpu-arch sm_80"):
@@ -275,20 +245,20 @@ def compile_kernel(config, options: str = "--gpu-arch sm_80"):
     if isinstance(config, Sm80BwdPreConfig):
         from .bwd_pre import FlashBwdPreSm80
 
-        tokens = _fake_tokens(_dtype(config), config.varlen_q, 8)
+        tokens = fake_tokens(element_type(config.dtype), config.varlen_q, 8)
         args = (
-            tokens, _fake_tokens(_dtype(config), config.varlen_q, 8), _fake_row_stats(config.varlen_q),
+            tokens, fake_tokens(element_type(config.dtype), config.varlen_q, 8), _fake_row_stats(config.varlen_q),
             _fake_row_stats(config.varlen_q) if config.has_dlse else None,
             _fake_row_stats(config.varlen_q), _fake_row_stats(config.varlen_q),
-            _fake_int_vector() if config.varlen_q else None, cutlass.Int32(1), cutlass.Int32(1),
+            fake_int_vector() if config.varlen_q else None, cutlass.Int32(1), cutlass.Int32(1),
         )
         return cute.compile(FlashBwdPreSm80(config), *args, stream, options=options)
     if isinstance(config, Sm80BwdPostConfig):
         from .bwd_post import FlashBwdPostSm80
 
         args = (
-            _fake_tokens(cutlass.Float32, config.varlen_q, 4), _fake_tokens(_dtype(config), config.varlen_q, 8),
-            _fake_int_vector() if config.varlen_q else None, cutlass.Int32(1), cutlass.Int32(1),
+            fake_tokens(cutlass.Float32, config.varlen_q, 4), fake_tokens(element_type(config.dtype), config.varlen_q, 8),
+            fake_int_vector() if config.varlen_q else None, cutlass.Int32(1), cutlass.Int32(1),
             cutlass.Float32(1.0),
         )
         return cute.compile(FlashBwdPostSm80(config), *args, stream, options=options)

@@ -172,50 +172,25 @@ def shipped_configs() -> list:
 def fake_arguments(config: Sm80FwdConfig) -> tuple:
     """Arguments of `FlashFwdSm80.__call__` (less the stream) for `cute.compile`."""
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
 
-    dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+    from ..common.fake_tensors import element_type, fake_int_vector, fake_tensor, fake_tokens
 
-    def tokens_tensor(varlen: bool, dt=dtype):
-        # (batch, seqlen, heads, d) or (total, heads, d); every size symbolic, every stride but
-        # the last a 64-bit multiple of 8 elements (16-byte rows for cp.async)
-        rank = 3 if varlen else 4
-        shape = tuple(cute.sym_int32() for _ in range(rank))
-        stride = tuple(cute.sym_int64(divisibility=8) for _ in range(rank - 1)) + (1,)
-        return make_fake_tensor(dt, shape, stride, assumed_align=16)
-
-    def int_vector():
-        return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
-
-    def float32_tensor(rank: int, divisibility: int = 1):
-        return make_fake_tensor(
-            cutlass.Float32,
-            tuple(cute.sym_int32() for _ in range(rank)),
-            tuple(cute.sym_int64(divisibility=divisibility) for _ in range(rank - 1)) + (1,),
-            assumed_align=4 * divisibility,
-        )
-
+    dtype = element_type(config.dtype)
     lse_rank = 2 if config.varlen_q else 3
-    lse = float32_tensor(lse_rank) if config.has_lse else None
-    page_table = None
-    if config.paged_kv:
-        page_table = make_fake_tensor(
-            cutlass.Int32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1), assumed_align=4
-        )
+    page_table = fake_tensor(cutlass.Int32, 2) if config.paged_kv else None
     # split-KV partials: out-shaped and LSE-shaped with a leading split mode; rows of O are
     # whole float32 vectors of 4
-    o_partial = float32_tensor(5 - config.varlen_q, divisibility=4) if config.split_kv else None
-    lse_partial = float32_tensor(lse_rank + 1) if config.split_kv else None
+    o_partial = fake_tensor(cutlass.Float32, 5 - config.varlen_q, 4, 16) if config.split_kv else None
+    lse_partial = fake_tensor(cutlass.Float32, lse_rank + 1) if config.split_kv else None
     return (
-        tokens_tensor(config.varlen_q),  # q
-        tokens_tensor(config.varlen_k),  # k
-        tokens_tensor(config.varlen_k),  # v
-        tokens_tensor(config.varlen_q),  # out
-        lse,
-        int_vector() if config.varlen_q else None,
-        int_vector() if config.varlen_k else None,
-        int_vector() if config.seqused_k else None,
+        fake_tokens(dtype, config.varlen_q),  # q
+        fake_tokens(dtype, config.varlen_k),  # k
+        fake_tokens(dtype, config.varlen_k),  # v
+        fake_tokens(dtype, config.varlen_q),  # out
+        fake_tensor(cutlass.Float32, lse_rank) if config.has_lse else None,
+        fake_int_vector() if config.varlen_q else None,
+        fake_int_vector() if config.varlen_k else None,
+        fake_int_vector() if config.seqused_k else None,
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_q
         cutlass.Float32(1.0),  # softmax_scale_log2

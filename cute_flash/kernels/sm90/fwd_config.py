@@ -177,42 +177,23 @@ def shipped_configs() -> list:
 # compiling a configuration (no GPU needed: fake tensors with symbolic sizes and 64-bit strides)
 # ------------------------------------------------------------------------------------------------
 def fake_arguments(config: Sm90FwdConfig) -> tuple:
-    """Arguments of `FlashFwdSm90.__call__` (less the stream) for `cute.compile`."""
+    """Arguments of `FlashFwdSm90.__call__` (less the stream) for `cute.compile` (TMA needs the
+    16-byte strides that `fake_tokens` promises)."""
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
 
-    dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+    from ..common.fake_tensors import element_type, fake_int_vector, fake_tensor, fake_tokens
 
-    def tokens_tensor(varlen: bool):
-        # (batch, seqlen, heads, d) or (total, heads, d); every size symbolic, every stride but
-        # the last a 64-bit multiple of 8 elements (TMA needs 16-byte strides)
-        rank = 3 if varlen else 4
-        shape = tuple(cute.sym_int32() for _ in range(rank))
-        stride = tuple(cute.sym_int64(divisibility=8) for _ in range(rank - 1)) + (1,)
-        return make_fake_tensor(dtype, shape, stride, assumed_align=16)
-
-    def int_vector():
-        return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
-
-    lse = None
-    if config.has_lse:
-        rank = 2 if config.varlen_q else 3
-        lse = make_fake_tensor(
-            cutlass.Float32,
-            tuple(cute.sym_int32() for _ in range(rank)),
-            tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
-            assumed_align=4,
-        )
+    dtype = element_type(config.dtype)
+    lse = fake_tensor(cutlass.Float32, 2 if config.varlen_q else 3) if config.has_lse else None
     return (
-        tokens_tensor(config.varlen_q),  # q
-        tokens_tensor(config.varlen_k),  # k
-        tokens_tensor(config.varlen_k),  # v
-        tokens_tensor(config.varlen_q),  # out
+        fake_tokens(dtype, config.varlen_q),  # q
+        fake_tokens(dtype, config.varlen_k),  # k
+        fake_tokens(dtype, config.varlen_k),  # v
+        fake_tokens(dtype, config.varlen_q),  # out
         lse,
-        int_vector() if config.varlen_q else None,
-        int_vector() if config.varlen_k else None,
-        int_vector() if config.seqused_k else None,
+        fake_int_vector() if config.varlen_q else None,
+        fake_int_vector() if config.varlen_k else None,
+        fake_int_vector() if config.seqused_k else None,
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_q
         cutlass.Float32(1.0),  # softmax_scale_log2

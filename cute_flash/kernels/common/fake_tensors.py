@@ -1,0 +1,37 @@
+"""Fake (memory-less) tensors to compile kernels with, on a machine with or without a GPU.
+
+Every size is a symbolic int32 and every stride but the last a symbolic 64-bit multiple of a
+given divisibility, so one compiled kernel serves every shape and all its offsets are 64-bit.
+"""
+
+from __future__ import annotations
+
+
+def element_type(name: str):
+    """The DSL's type for a config's dtype name ("float16" | "bfloat16")."""
+    import cutlass
+
+    return cutlass.Float16 if name == "float16" else cutlass.BFloat16
+
+
+def fake_tensor(dtype, rank: int, divisibility: int = 1, align: int = 4):
+    """A rank-`rank` tensor of `dtype`, unit stride last, aligned to `align` bytes."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = tuple(cute.sym_int32() for _ in range(rank))
+    stride = tuple(cute.sym_int64(divisibility=divisibility) for _ in range(rank - 1)) + (1,)
+    return make_fake_tensor(dtype, shape, stride, assumed_align=align)
+
+
+def fake_tokens(dtype, varlen: bool, divisibility: int = 8):
+    """(batch, seqlen, heads, d), or packed (total, heads, d): 16-byte aligned rows for
+    cp.async and TMA (divisibility 8 for 16-bit elements, 4 for float32)."""
+    return fake_tensor(dtype, 3 if varlen else 4, divisibility, 16)
+
+
+def fake_int_vector():
+    """cu_seqlens / seqused_k."""
+    import cutlass
+
+    return fake_tensor(cutlass.Int32, 1)
