@@ -114,7 +114,8 @@ def checked_mode(check: Optional[bool]) -> bool:
 
 
 def check_scalars(causal, softmax_scale, window_size, softcap, max_seqlen_q, max_seqlen_k, num_splits, backend):
-    """Checks of the non-tensor arguments; returns the window (left, right) with causal applied."""
+    """Checks of the non-tensor arguments; returns (causal, left, right), normalised: causal
+    sets right = 0, and a window of (-1, 0) is causal (the two spellings pick the same kernel)."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool; got {_describe(causal)}")
     if backend is not None and (not isinstance(backend, str) or backend not in backends.BACKEND_NAMES):
@@ -128,6 +129,7 @@ def check_scalars(causal, softmax_scale, window_size, softcap, max_seqlen_q, max
         if right > 0:
             raise ValueError(f"causal=True means window_size right = 0; got window_size={tuple(window_size)}")
         right = 0
+    causal = causal or (left < 0 and right == 0)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float; got {_describe(softcap)}")
     if not math.isfinite(softcap) or softcap < 0:
@@ -141,8 +143,7 @@ def check_scalars(causal, softmax_scale, window_size, softcap, max_seqlen_q, max
     for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if x is not None:
             _check_int(name, x, 0)
-
-    return left, right
+    return causal, left, right
 
 
 def check_tensor_types(q, k, v, **optional) -> None:
@@ -176,7 +177,7 @@ def validate(
     check=None,
 ) -> Call:
     """Check every argument and combination; return the normalised call or raise."""
-    left, right = check_scalars(causal, softmax_scale, window_size, softcap, max_seqlen_q, max_seqlen_k, num_splits, backend)
+    causal, left, right = check_scalars(causal, softmax_scale, window_size, softcap, max_seqlen_q, max_seqlen_k, num_splits, backend)
     check_tensor_types(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                        page_table=page_table, out=out)
     _check_tensor("q", q, (3, 4), _FLOAT_DTYPES)

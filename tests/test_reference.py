@@ -199,3 +199,12 @@ def test_long_causal_runs_in_bounded_memory():
     assert res.returncode == 0, res.stderr
     peak_kib = int(res.stdout.split()[-1])
     assert peak_kib < 2 * 1024 * 1024, f"peak RSS {peak_kib / 1024:.0f} MiB"
+
+
+def test_window_minus_one_zero_is_causal():
+    from cute_flash import api
+
+    q = _rand(1, 5, 2, 16)
+    call = api.validate(q, q, q, window_size=(-1, 0))
+    assert call.args.causal and (call.args.window_left, call.args.window_right) == (-1, 0)
+    torch.testing.assert_close(cute_flash.forward(q, q, q, window_size=(-1, 0)), cute_flash.forward(q, q, q, causal=True))
