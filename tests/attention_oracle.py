@@ -37,6 +37,29 @@ def randn_in_nan(shape, dtype, row_dim=1, pad_rows=67, pad_cols=8, device="cuda"
     return view
 
 
+def backend_or_skip(cls):
+    """An instance of backend class `cls`, or a pytest skip saying why it cannot run here."""
+    import pytest
+
+    backend = cls()
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return backend
+
+
+def nan_framed_kv(batch, seqlen_k, nheads_k, d, dv, dtype, varlen=False):
+    """k and v inside NaN (67 rows before and after) with different row strides (8 and 24
+    padding columns), batched or packed (varlen)."""
+    if varlen:
+        shape_k, shape_v, row_dim = (seqlen_k, nheads_k, d), (seqlen_k, nheads_k, dv), 0
+    else:
+        shape_k, shape_v, row_dim = (batch, seqlen_k, nheads_k, d), (batch, seqlen_k, nheads_k, dv), 1
+    k = randn_in_nan(shape_k, dtype, row_dim=row_dim, pad_rows=67, pad_cols=8)
+    v = randn_in_nan(shape_v, dtype, row_dim=row_dim, pad_rows=67, pad_cols=24)
+    return k, v
+
+
 def run_forward(backend, q, k, v, args: AttnArgs):
     """(out, lse) of `backend.fwd`, both poisoned with NaN before the call."""
     out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)

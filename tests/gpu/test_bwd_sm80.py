@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from attention_oracle import check_backward
+from attention_oracle import backend_or_skip, check_backward, nan_framed_kv, randn_in_nan
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention
 
@@ -29,36 +29,7 @@ DTYPES = [torch.float16, torch.bfloat16]
 def _backend():
     from cute_flash.backends.cute import CuteSm80Backend
 
-    backend = CuteSm80Backend()
-    reason = backend.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    return backend
-
-
-def _randn_in_nan(shape, dtype, pad_rows=0, row_dim=1, pad_cols=0):
-    """A random tensor that is a view into a larger NaN buffer (rows around it, columns after)."""
-    full = list(shape)
-    full[row_dim] += 2 * pad_rows
-    full[-1] += pad_cols
-    buf = torch.full(full, float("nan"), dtype=dtype, device="cuda")
-    index = [slice(None)] * len(shape)
-    index[row_dim] = slice(pad_rows, pad_rows + shape[row_dim])
-    index[-1] = slice(0, shape[-1])
-    view = buf[tuple(index)]
-    view.copy_(torch.randn(shape, dtype=dtype, device="cuda"))
-    return view
-
-
-def _kv(batch, seqlen_k, nheads_k, d, dv, dtype, varlen=False):
-    """k and v with different row strides (8 and 24 padding columns), inside NaN."""
-    if varlen:
-        shape_k, shape_v, row_dim = (seqlen_k, nheads_k, d), (seqlen_k, nheads_k, dv), 0
-    else:
-        shape_k, shape_v, row_dim = (batch, seqlen_k, nheads_k, d), (batch, seqlen_k, nheads_k, dv), 1
-    k = _randn_in_nan(shape_k, dtype, pad_rows=67, row_dim=row_dim, pad_cols=8)
-    v = _randn_in_nan(shape_v, dtype, pad_rows=67, row_dim=row_dim, pad_cols=24)
-    return k, v
+    return backend_or_skip(CuteSm80Backend)
 
 
 def _transposed_dout(shape, dtype):
@@ -96,7 +67,7 @@ def _args(d, **kw):
 def test_bwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seqlen_q, seqlen_k):
     torch.manual_seed(seqlen_q * 7 + seqlen_k + d)
     q = torch.randn(2, seqlen_q, 3, d, dtype=dtype, device="cuda")
-    k, v = _kv(2, seqlen_k, 3, d, d, dtype)
+    k, v = nan_framed_kv(2, seqlen_k, 3, d, d, dtype)
     _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
 
 
@@ -106,7 +77,7 @@ def test_bwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seqlen_q,
 def test_bwd_gqa_and_mqa_sum_dk_dv_over_the_group(d, nheads, nheads_k, causal):
     torch.manual_seed(nheads * 10 + nheads_k + d)
     q = torch.randn(3, 257, nheads, d, dtype=torch.bfloat16, device="cuda")
-    k, v = _kv(3, 300, nheads_k, d, d, torch.bfloat16)
+    k, v = nan_framed_kv(3, 300, nheads_k, d, d, torch.bfloat16)
     _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
 
 
@@ -116,7 +87,7 @@ def test_bwd_gqa_and_mqa_sum_dk_dv_over_the_group(d, nheads, nheads_k, causal):
 def test_bwd_sliding_window(d, seqlen_q, seqlen_k, window):
     torch.manual_seed(sum(window) + seqlen_q + d)
     q = torch.randn(2, seqlen_q, 2, d, dtype=torch.bfloat16, device="cuda")
-    k, v = _kv(2, seqlen_k, 2, d, d, torch.bfloat16)
+    k, v = nan_framed_kv(2, seqlen_k, 2, d, d, torch.bfloat16)
     _check(q, k, v, _args(d, window_left=window[0], window_right=window[1]))
 
 
@@ -125,7 +96,7 @@ def test_bwd_sliding_window(d, seqlen_q, seqlen_k, window):
 def test_bwd_softcap_chain_rule(d, causal):
     torch.manual_seed(d + causal)
     q = torch.randn(2, 333, 3, d, dtype=torch.bfloat16, device="cuda") * 3
-    k, v = _kv(2, 517, 3, d, d, torch.bfloat16)
+    k, v = nan_framed_kv(2, 517, 3, d, d, torch.bfloat16)
     _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1, softcap=15.0))
 
 
@@ -138,8 +109,8 @@ def test_bwd_varlen_and_seqused_k(d, causal, seqused):
     seqlens_k = [1, 5, 203, 1, 333, 64, 300]
     cu_q = torch.tensor([0] + torch.tensor(seqlens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + torch.tensor(seqlens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    q = _randn_in_nan((int(cu_q[-1]), 4, d), torch.bfloat16, pad_rows=5, row_dim=0)
-    k, v = _kv(None, int(cu_k[-1]), 2, d, d, torch.bfloat16, varlen=True)
+    q = randn_in_nan((int(cu_q[-1]), 4, d), torch.bfloat16, row_dim=0, pad_rows=5, pad_cols=0)
+    k, v = nan_framed_kv(None, int(cu_k[-1]), 2, d, d, torch.bfloat16, varlen=True)
     used = torch.tensor([1, 0, 150, 1, 300, 17, 299], dtype=torch.int32, device="cuda") if seqused else None
     args = _args(d, causal=causal, window_right=0 if causal else -1, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                  max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), seqused_k=used)
@@ -149,15 +120,15 @@ def test_bwd_varlen_and_seqused_k(d, causal, seqused):
 @pytest.mark.parametrize("d,dv", [(128, 64), (64, 128), (40, 96), (80, 80)])
 def test_bwd_headdim_v_differs_and_padded_headdims(d, dv):
     torch.manual_seed(d + dv)
-    q = _randn_in_nan((2, 211, 4, d), torch.float16, pad_rows=3, pad_cols=8)
-    k, v = _kv(2, 333, 4, d, dv, torch.float16)
+    q = randn_in_nan((2, 211, 4, d), torch.float16, row_dim=1, pad_rows=3, pad_cols=8)
+    k, v = nan_framed_kv(2, 333, 4, d, dv, torch.float16)
     _check(q, k, v, _args(d, causal=True, window_right=0))
 
 
 def test_bwd_honours_a_gradient_of_the_lse():
     torch.manual_seed(17)
     q = torch.randn(2, 150, 4, 64, dtype=torch.float16, device="cuda")
-    k, v = _kv(2, 190, 2, 64, 64, torch.float16)
+    k, v = nan_framed_kv(2, 190, 2, 64, 64, torch.float16)
     _check(q, k, v, _args(64, causal=True, window_right=0), with_dlse=True)
 
 
@@ -165,7 +136,7 @@ def test_bwd_no_nan_for_fully_masked_rows():
     """Causal with seqlen_q > seqlen_k: the first rows see no key; their dq is exactly 0."""
     torch.manual_seed(23)
     q = torch.randn(2, 300, 2, 64, dtype=torch.bfloat16, device="cuda")
-    k, v = _kv(2, 100, 2, 64, 64, torch.bfloat16)
+    k, v = nan_framed_kv(2, 100, 2, 64, 64, torch.bfloat16)
     dq, dk, dv = _check(q, k, v, _args(64, causal=True, window_right=0))
     assert (dq[:, :200] == 0).all()
 
@@ -184,7 +155,7 @@ def test_bwd_expanded_dout_is_accepted():
     """The gradient of out.sum() arrives as a stride-0 expanded view."""
     torch.manual_seed(29)
     q = torch.randn(1, 100, 2, 64, dtype=torch.float16, device="cuda")
-    k, v = _kv(1, 120, 2, 64, 64, torch.float16)
+    k, v = nan_framed_kv(1, 120, 2, 64, 64, torch.float16)
     args = _args(64)
     ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
     out, lse = ref_out.to(q.dtype), ref_lse.float()

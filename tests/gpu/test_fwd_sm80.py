@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from attention_oracle import SEQLEN_PAIRS, check_forward, randn_in_nan, run_forward
+from attention_oracle import SEQLEN_PAIRS, backend_or_skip, check_forward, nan_framed_kv, randn_in_nan, run_forward
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention
 
@@ -26,21 +26,7 @@ DTYPES = [torch.float16, torch.bfloat16]
 def _backend():
     from cute_flash.backends.cute import CuteSm80Backend
 
-    backend = CuteSm80Backend()
-    reason = backend.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    return backend
-
-
-def _kv(batch, seqlen_k, nheads_k, d, dv, dtype, varlen=False):
-    if varlen:
-        shape_k, shape_v, row_dim = (seqlen_k, nheads_k, d), (seqlen_k, nheads_k, dv), 0
-    else:
-        shape_k, shape_v, row_dim = (batch, seqlen_k, nheads_k, d), (batch, seqlen_k, nheads_k, dv), 1
-    k = randn_in_nan(shape_k, dtype, row_dim=row_dim, pad_rows=67, pad_cols=8)
-    v = randn_in_nan(shape_v, dtype, row_dim=row_dim, pad_rows=67, pad_cols=24)
-    return k, v
+    return backend_or_skip(CuteSm80Backend)
 
 
 def _run(q, k, v, args: AttnArgs):
@@ -67,7 +53,7 @@ def test_fwd_matches_reference_for_headdims_and_seqlens(dtype, d, causal, seqlen
     torch.manual_seed(seqlen_q * 7 + seqlen_k + d)
     batch, nheads = (1, 2) if seqlen_q * seqlen_k > 10**6 else (3, 3)
     q = torch.randn(batch, seqlen_q, nheads, d, dtype=dtype, device="cuda")
-    k, v = _kv(batch, seqlen_k, nheads, d, d, dtype)
+    k, v = nan_framed_kv(batch, seqlen_k, nheads, d, d, dtype)
     _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
 
 
@@ -76,7 +62,7 @@ def test_fwd_matches_reference_for_headdims_and_seqlens(dtype, d, causal, seqlen
 def test_fwd_gqa_and_mqa_share_kv_heads(nheads, nheads_k, causal):
     torch.manual_seed(nheads * 10 + nheads_k)
     q = torch.randn(5, 257, nheads, 128, dtype=torch.bfloat16, device="cuda")
-    k, v = _kv(5, 300, nheads_k, 128, 128, torch.bfloat16)
+    k, v = nan_framed_kv(5, 300, nheads_k, 128, 128, torch.bfloat16)
     _check(q, k, v, _args(128, causal=causal, window_right=0 if causal else -1))
 
 
@@ -86,7 +72,7 @@ def test_fwd_gqa_and_mqa_share_kv_heads(nheads, nheads_k, causal):
 def test_fwd_sliding_window(d, seqlen_q, seqlen_k, window):
     torch.manual_seed(sum(window) + seqlen_q + d)
     q = torch.randn(2, seqlen_q, 4, d, dtype=torch.bfloat16, device="cuda")
-    k, v = _kv(2, seqlen_k, 4, d, d, torch.bfloat16)
+    k, v = nan_framed_kv(2, seqlen_k, 4, d, d, torch.bfloat16)
     _check(q, k, v, _args(d, window_left=window[0], window_right=window[1]))
 
 
@@ -95,7 +81,7 @@ def test_fwd_sliding_window(d, seqlen_q, seqlen_k, window):
 def test_fwd_softcap(d, causal):
     torch.manual_seed(d)
     q = torch.randn(2, 333, 3, d, dtype=torch.bfloat16, device="cuda") * 3
-    k, v = _kv(2, 517, 3, d, d, torch.bfloat16)
+    k, v = nan_framed_kv(2, 517, 3, d, d, torch.bfloat16)
     _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1, softcap=15.0))
 
 
@@ -103,7 +89,7 @@ def _varlen_batch(seqlens_q, seqlens_k, nheads, nheads_k, d, dv, dtype):
     cu_q = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + list(torch.tensor(seqlens_k).cumsum(0)), dtype=torch.int32, device="cuda")
     q = randn_in_nan((int(cu_q[-1]), nheads, d), dtype, row_dim=0, pad_rows=5, pad_cols=0)
-    k, v = _kv(None, int(cu_k[-1]), nheads_k, d, dv, dtype, varlen=True)
+    k, v = nan_framed_kv(None, int(cu_k[-1]), nheads_k, d, dv, dtype, varlen=True)
     return q, k, v, cu_q, cu_k
 
 
@@ -125,7 +111,7 @@ def test_fwd_varlen_and_seqused_k(d, causal, seqused):
 def test_fwd_seqused_k_in_batch_mode(causal):
     torch.manual_seed(3)
     q = torch.randn(3, 200, 2, 128, dtype=torch.float16, device="cuda")
-    k, v = _kv(3, 512, 2, 128, 128, torch.float16)
+    k, v = nan_framed_kv(3, 512, 2, 128, 128, torch.float16)
     used = torch.tensor([512, 1, 333], dtype=torch.int32, device="cuda")
     _check(q, k, v, _args(128, causal=causal, window_right=0 if causal else -1, seqused_k=used))
 
@@ -135,7 +121,7 @@ def test_fwd_seqused_k_in_batch_mode(causal):
 def test_fwd_padded_headdims_read_no_padding(dtype, d):
     torch.manual_seed(d)
     q = randn_in_nan((2, 301, 3, d), dtype, row_dim=1, pad_rows=3, pad_cols=8)
-    k, v = _kv(2, 257, 3, d, d, dtype)
+    k, v = nan_framed_kv(2, 257, 3, d, d, dtype)
     _check(q, k, v, _args(d, causal=True, window_right=0))
 
 
@@ -145,7 +131,7 @@ def test_fwd_headdim_v_differs(d, dv, causal):
     torch.manual_seed(d + dv)
     dtype = torch.bfloat16 if causal else torch.float16
     q = torch.randn(2, 211, 4, d, dtype=dtype, device="cuda")
-    k, v = _kv(2, 333, 4, d, dv, dtype)
+    k, v = nan_framed_kv(2, 333, 4, d, dv, dtype)
     _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
 
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from attention_oracle import SEQLEN_PAIRS, check_forward, randn_in_nan, run_forward
+from attention_oracle import SEQLEN_PAIRS, backend_or_skip, check_forward, randn_in_nan, run_forward
 from cute_flash.backends.base import AttnArgs
 
 pytestmark = pytest.mark.gpu
@@ -25,11 +25,7 @@ DTYPES = [torch.float16, torch.bfloat16]
 def _backend():
     from cute_flash.backends.cute import CuteSm90Backend
 
-    backend = CuteSm90Backend()
-    reason = backend.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    return backend
+    return backend_or_skip(CuteSm90Backend)
 
 
 def _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dv, dtype):

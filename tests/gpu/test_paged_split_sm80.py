@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from attention_oracle import check_forward
+from attention_oracle import backend_or_skip, check_forward
 from cute_flash.backends import split_kv
 from cute_flash.backends.base import AttnArgs
 
@@ -31,10 +31,7 @@ NAN = float("nan")
 def _backend(heuristic: bool = False):
     from cute_flash.backends.cute import CuteSm80Backend
 
-    backend = CuteSm80Backend()
-    reason = backend.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    backend = backend_or_skip(CuteSm80Backend)
     if heuristic:
         # num_splits = 0 picks a split count only for a verified split_kv: declare it on this
         # instance to exercise the heuristic

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cute_flash
-from attention_oracle import check_backward, check_forward
+from attention_oracle import check_backward, check_forward, randn_in_nan
 from cute_flash import api
 
 pytestmark = pytest.mark.gpu
@@ -29,20 +29,6 @@ def backend():
     from cute_flash.backends.triton import TritonBackend
 
     return TritonBackend()
-
-
-def _randn_in_nan(shape, dtype, row_dim, pad_rows=37, pad_cols=8):
-    """A random tensor that is a view into a larger NaN buffer (rows around it, columns after)."""
-    full = list(shape)
-    full[row_dim] += 2 * pad_rows
-    full[-1] += pad_cols
-    buf = torch.full(full, math.nan, dtype=dtype, device="cuda")
-    index = [slice(None)] * len(shape)
-    index[row_dim] = slice(pad_rows, pad_rows + shape[row_dim])
-    index[-1] = slice(0, shape[-1])
-    view = buf[tuple(index)]
-    view.copy_(torch.randn(shape, dtype=dtype, device="cuda"))
-    return view
 
 
 def _q_of_packed_qkv(rows_shape, nheads, nheads_k, d, dtype):
@@ -61,13 +47,13 @@ def _problem(dtype=BF16, batch=2, seqlen_q=113, seqlen_k=203, nheads=4, nheads_k
     if seqlens_q is not None:
         cu_q, cu_k = _cu(seqlens_q), _cu(seqlens_k)
         q = _q_of_packed_qkv((int(cu_q[-1]),), nheads, nheads_k, d, dtype)
-        k = _randn_in_nan((int(cu_k[-1]), nheads_k, d), dtype, row_dim=0)
-        v = _randn_in_nan((int(cu_k[-1]), nheads_k, dv), dtype, row_dim=0, pad_cols=24)
+        k = randn_in_nan((int(cu_k[-1]), nheads_k, d), dtype, row_dim=0, pad_rows=37)
+        v = randn_in_nan((int(cu_k[-1]), nheads_k, dv), dtype, row_dim=0, pad_rows=37, pad_cols=24)
         kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
     else:
         q = _q_of_packed_qkv((batch, seqlen_q), nheads, nheads_k, d, dtype)
-        k = _randn_in_nan((batch, seqlen_k, nheads_k, d), dtype, row_dim=1)
-        v = _randn_in_nan((batch, seqlen_k, nheads_k, dv), dtype, row_dim=1, pad_cols=24)
+        k = randn_in_nan((batch, seqlen_k, nheads_k, d), dtype, row_dim=1, pad_rows=37)
+        v = randn_in_nan((batch, seqlen_k, nheads_k, dv), dtype, row_dim=1, pad_rows=37, pad_cols=24)
     if seqused_k is not None:
         kw["seqused_k"] = torch.tensor(seqused_k, dtype=torch.int32, device="cuda")
     call = api.validate(q, k, v, backend="triton", check=True, **kw)
