@@ -15,6 +15,7 @@ os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 
 from cute_flash.backends.base import AttnArgs  # noqa: E402
 from cute_flash.kernels.sm80 import bwd_config as bc  # noqa: E402
+from kernel_flag_cases import FLAG_CASES, expected_flags, flags_of
 
 SM86_SMEM = 99 * 1024
 
@@ -67,24 +68,13 @@ def test_causal_and_local_exclude_each_other():
         bc.make_config("float16", 64, 64, causal=True, local=True)
 
 
-@pytest.mark.parametrize(
-    "args,expected",
-    [
-        (AttnArgs(0.1), {}),
-        (AttnArgs(0.1, causal=True, window_right=0), {"causal": True}),
-        (AttnArgs(0.1, causal=True, window_left=32, window_right=0), {"local": True}),
-        (AttnArgs(0.1, window_left=-1, window_right=16), {"local": True}),
-        (AttnArgs(0.1, softcap=30.0), {"softcap": True}),
-        (AttnArgs(0.1, seqused_k=torch.ones(1, dtype=torch.int32)), {"seqused_k": True}),
-    ],
-)
+@pytest.mark.parametrize("args,expected", FLAG_CASES)
 def test_call_selects_config_flags(args, expected):
     from cute_flash.backends.cute_bwd import configs
 
     q = torch.empty(1, 1, 1, 64, dtype=torch.float16)
     pre, main, post = configs(q, q, q, None, args)
-    flags = {f: getattr(main, f) for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k")}
-    assert flags == {f: expected.get(f, False) for f in flags}
+    assert flags_of(main) == expected_flags(expected)
     assert not pre.has_dlse and not pre.varlen_q and not post.varlen_q
 
 

@@ -13,6 +13,7 @@ os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 
 from cute_flash.backends.base import AttnArgs  # noqa: E402
 from cute_flash.kernels.sm90 import fwd_config as fc  # noqa: E402
+from kernel_flag_cases import FLAG_CASES, expected_flags, flags_of
 
 
 @pytest.mark.parametrize("headdim", fc.TILE_HEADDIMS)
@@ -43,24 +44,13 @@ def test_sm90_config_is_a_hashable_cache_key_with_distinct_names():
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
-@pytest.mark.parametrize(
-    "args,expected",
-    [
-        (AttnArgs(0.1), {}),
-        (AttnArgs(0.1, causal=True, window_right=0), {"causal": True}),
-        (AttnArgs(0.1, causal=True, window_left=32, window_right=0), {"local": True}),
-        (AttnArgs(0.1, window_left=-1, window_right=16), {"local": True}),
-        (AttnArgs(0.1, softcap=30.0), {"softcap": True}),
-        (AttnArgs(0.1, seqused_k=torch.ones(1, dtype=torch.int32)), {"seqused_k": True}),
-    ],
-)
+@pytest.mark.parametrize("args,expected", FLAG_CASES)
 def test_sm90_call_selects_config_flags(args, expected):
     from cute_flash.backends.cute import CuteSm90Backend
 
     q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
     config = CuteSm90Backend().config(q, q, q, torch.empty(1), args)
-    flags = {f: getattr(config, f) for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k")}
-    assert flags == {f: expected.get(f, False) for f in flags}
+    assert flags_of(config) == expected_flags(expected)
     assert config.has_lse and not CuteSm90Backend().config(q, q, q, None, args).has_lse
 
 

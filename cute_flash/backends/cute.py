@@ -137,6 +137,20 @@ class KernelCache:
         return fn
 
 
+def kernel_flags(args: AttnArgs) -> dict:
+    """The compile-time mask and sequence flags of a call, as every kernel config takes them:
+    causal is the window (-1, 0); any other window is `local`."""
+    causal = args.causal and args.window_left < 0
+    return dict(
+        causal=causal,
+        local=args.has_window and not causal,
+        softcap=args.softcap > 0,
+        varlen_q=args.cu_seqlens_q is not None,
+        varlen_k=args.cu_seqlens_k is not None,
+        seqused_k=args.seqused_k is not None,
+    )
+
+
 def _as_cute(t: Optional[torch.Tensor], align: int):
     if t is None:
         return None
@@ -177,17 +191,11 @@ class _CuteBackend(Backend):
     def config(self, q, k, v, lse, args: AttnArgs):
         """The frozen kernel configuration that runs this (validated) call."""
         make_config = importlib.import_module(self.config_module).make_config
-        causal = args.causal and args.window_left < 0
         return make_config(
             _DTYPE_NAMES[q.dtype],
             q.shape[-1],
             v.shape[-1],
-            causal=causal,
-            local=args.has_window and not causal,
-            softcap=args.softcap > 0,
-            varlen_q=args.cu_seqlens_q is not None,
-            varlen_k=args.cu_seqlens_k is not None,
-            seqused_k=args.seqused_k is not None,
+            **kernel_flags(args),
             has_lse=lse is not None,
             **({"paged_kv": True} if args.page_table is not None else {}),
         )

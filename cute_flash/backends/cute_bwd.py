@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .base import AttnArgs
-from .cute import _DTYPE_NAMES, KernelCache, _as_cute
+from .cute import _DTYPE_NAMES, KernelCache, _as_cute, kernel_flags
 
 CONFIG_MODULE = "cute_flash.kernels.sm80.bwd_config"
 _cache = None
@@ -37,18 +37,7 @@ def configs(q, k, v, dlse, args: AttnArgs) -> tuple:
 
     dtype = _DTYPE_NAMES[q.dtype]
     varlen_q = args.cu_seqlens_q is not None
-    causal = args.causal and args.window_left < 0
-    main = bwd_config.make_config(
-        dtype,
-        q.shape[-1],
-        v.shape[-1],
-        causal=causal,
-        local=args.has_window and not causal,
-        softcap=args.softcap > 0,
-        varlen_q=varlen_q,
-        varlen_k=args.cu_seqlens_k is not None,
-        seqused_k=args.seqused_k is not None,
-    )
+    main = bwd_config.make_config(dtype, q.shape[-1], v.shape[-1], **kernel_flags(args))
     pre = bwd_config.make_pre_config(dtype, v.shape[-1], varlen_q=varlen_q, has_dlse=dlse is not None)
     post = bwd_config.make_post_config(dtype, q.shape[-1], varlen_q=varlen_q)
     return pre, main, post
