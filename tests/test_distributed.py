@@ -36,6 +36,9 @@ def _worker(rank, world, port):
     try:
         for causal, layout, nheads_k, use_mesh in CASES:
             _check_case(rank, world, causal, layout, nheads_k, use_mesh)
+        # Every rank done with every group before any tears gloo down (a rank that destroys
+        # its groups while a peer still uses them can abort the peer).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
