@@ -151,7 +151,11 @@ def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE,
                              timeout=20)
-        return out.stdout.strip() if out.returncode == 0 else "unknown"
+        if out.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/cute_flash", ":/benchmarks"],
+                               capture_output=True, text=True, cwd=HERE, timeout=20)
+        return out.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

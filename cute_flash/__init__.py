@@ -97,15 +97,16 @@ def attention(
 
 def _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                  max_seqlen_k, seqused_k, page_table, num_splits, backend, check, out):
-    """Validate eagerly (the op validates again when it runs: calls made through
-    torch.ops.cute_flash.* directly, or traced by torch.compile, are checked there)."""
+    """Check eagerly what the ops' schema would otherwise reject with a less useful message
+    (argument types, scalars); the op itself runs the full `api.validate` exactly once."""
     if check is not None and not isinstance(check, bool):
         raise TypeError(f"check must be a bool or None; got {type(check).__name__} {check!r}")
     if not torch.compiler.is_compiling():
-        api.validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                     max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, page_table=page_table, num_splits=num_splits,
-                     out=out, backend=backend, check=check)
+        api.check_scalars(causal, softmax_scale, window_size, softcap, max_seqlen_q, max_seqlen_k, num_splits, backend)
+        tensors = dict(k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                       page_table=page_table, out=out)
+        api.check_tensor_types(q, **tensors)
+        api.check_devices(q, **tensors)  # mixed devices could dispatch the op to another device's kernel
     return (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal,
             None if softmax_scale is None else float(softmax_scale), list(window_size), float(softcap),
             max_seqlen_q, max_seqlen_k, num_splits)

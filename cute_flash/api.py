@@ -206,6 +206,13 @@ def validate(
     return Call(args=args, backend=chosen, out_shape=out_shape, lse_shape=lse_shape, batch=batch)
 
 
+def check_devices(q, **named) -> None:
+    """Every named tensor (None skipped) is on q's device."""
+    for name, t in named.items():
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}); got {t.device}")
+
+
 def _check_dtypes_and_devices(q, k, v, out, args: AttnArgs, backend: Optional[str]) -> Backend:
     """Dtypes and ranks of k/v, one device for every tensor; returns the backend to run."""
     kv_rank = 3 if (args.cu_seqlens_k is not None and args.page_table is None) else 4
@@ -214,12 +221,9 @@ def _check_dtypes_and_devices(q, k, v, out, args: AttnArgs, backend: Optional[st
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}); got {t.dtype}")
+    check_devices(q, k=k, v=v, out=out, cu_seqlens_q=args.cu_seqlens_q, cu_seqlens_k=args.cu_seqlens_k,
+                  seqused_k=args.seqused_k, page_table=args.page_table)
     device = q.device
-    named = {"k": k, "v": v, "out": out, "cu_seqlens_q": args.cu_seqlens_q, "cu_seqlens_k": args.cu_seqlens_k,
-             "seqused_k": args.seqused_k, "page_table": args.page_table}
-    for name, t in named.items():
-        if t is not None and t.device != device:
-            raise ValueError(f"{name} must be on the device of q ({device}); got {t.device}")
     if device.type != "cuda" and backend not in (None, "reference"):
         raise ValueError(f"backend {backend!r} needs CUDA tensors; q is on {device} (CPU tensors run on 'reference')")
     chosen = backends.resolve(backend, device)
@@ -359,15 +363,17 @@ def _check_features(backend: Backend, args: AttnArgs, q, v) -> None:
         )
 
 
-def backward_backend(call: Call) -> Backend:
+def backward_backend(call: Call, q, k, v, deterministic: bool) -> Backend:
     """The backend that runs the backward of a validated call.
 
-    A backend without a GPU-verified backward kernel hands its backward to the reference
-    backend, on the same device: exact and memory-bounded, but PyTorch-speed. `backend_info()`
-    and the README's feature matrix say which backends do so.
+    A backend without a GPU-verified backward kernel, or whose kernel cannot take this call
+    (`Backend.backward_refusal`: the sm_80 kernel has head dims up to 128 and no deterministic
+    mode), hands its backward to the reference backend, on the same device: exact and
+    memory-bounded, but PyTorch-speed. `backend_info()` and the README's feature matrix say which
+    backends do so.
     """
     if call.args.page_table is not None:
         raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
-    if "backward" in call.backend.features:
+    if "backward" in call.backend.features and call.backend.backward_refusal(q, k, v, call.args, deterministic) is None:
         return call.backend
     return backends.get_backend("reference")

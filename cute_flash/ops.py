@@ -129,7 +129,7 @@ def bwd(
     call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, causal, softmax_scale, window_size,
                      softcap, max_seqlen_q, max_seqlen_k, 1, backend, False)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    api.backward_backend(call).bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, call.args, deterministic)
+    api.backward_backend(call, q, k, v, deterministic).bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, call.args, deterministic)
     return dq, dk, dv
 
 

@@ -98,6 +98,27 @@ def check_forward(out, lse, q, k, v, args: AttnArgs):
     return ref, ref_lse
 
 
+def check_offsets_beyond_4gib(backend) -> None:
+    """K and V of more than 2^31 elements: batch 1 starts 4 GiB into each buffer.
+
+    The output of 1M keys averages V down to ~1e-3, below bf16's absolute tolerance, so the
+    oracle's LSE bound is what sees a wrong key (1.3e-3 for other random keys) or a drifting
+    row sum; and batch 1 must be bit-identical to the same call on a copy of it alone, which a
+    32-bit offset wrapping back into batch 0 would break.
+    """
+    torch.manual_seed(5)
+    seqlen_k = (1 << 20) + 64
+    q = torch.randn(2, 70, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert k.numel() > 2**31
+    args = AttnArgs(softmax_scale=128**-0.5, causal=True, window_right=0)
+    out, lse = run_forward(backend, q, k, v, args)
+    check_forward(out[1:], lse[1:], q[1:], k[1:], v[1:], args)
+    alone_out, alone_lse = run_forward(backend, q[1:].clone(), k[1:].clone(), v[1:].clone(), args)
+    assert torch.equal(out[1:], alone_out) and torch.equal(lse[1:], alone_lse)
+
+
 def check_backward(grads, dout, dlse, q, k, v, ref_out, ref_lse, args: AttnArgs) -> None:
     """Check a kernel's (dq, dk, dv) given the oracle's forward results."""
     refs = reference_attention_backward(dout, q, k, v, ref_out, ref_lse, dlse, args, compute_dtype=torch.float64)

@@ -112,16 +112,22 @@ def test_demo_runs_on_the_cpu():
     assert err < 1e-2
 
 
-def test_backward_without_a_verified_kernel_runs_on_the_reference():
+def test_backward_without_a_kernel_for_the_call_runs_on_the_reference():
     from cute_flash import api
     from cute_flash.backends.base import AttnArgs
 
     def call(name, **args):
         return api.Call(args=AttnArgs(0.1, **args), backend=backends.get_backend(name), out_shape=(), lse_shape=(), batch=1)
 
-    for name in ("cute-sm80", "cute-sm90"):
-        assert "backward" not in backends.get_backend(name).features
-        assert api.backward_backend(call(name)).name == "reference"
-    assert api.backward_backend(call("triton")).name == "triton"
+    def chosen(name, d=64, deterministic=False, **args):
+        q = torch.empty(1, 4, 2, d, dtype=torch.float16)
+        return api.backward_backend(call(name, **args), q, q, q, deterministic).name
+
+    assert "backward" not in backends.get_backend("cute-sm90").features
+    assert chosen("cute-sm90") == "reference"
+    assert chosen("cute-sm80") == "cute-sm80" and chosen("cute-sm80", d=128) == "cute-sm80"
+    assert chosen("cute-sm80", d=256) == "reference"  # the sm_80 backward kernel stops at 128
+    assert chosen("cute-sm80", deterministic=True) == "reference"
+    assert chosen("triton") == "triton" and chosen("triton", deterministic=True) == "triton"
     with pytest.raises(NotImplementedError, match="paged"):
-        api.backward_backend(call("reference", page_table=torch.zeros(1, 1, dtype=torch.int32)))
+        chosen("reference", page_table=torch.zeros(1, 1, dtype=torch.int32))

@@ -112,10 +112,10 @@ def test_backward_refuses_headdim_256_by_name():
         backward(CuteSm80Backend(), q, q, q, q, q, torch.zeros(1, 1, 8), None, q, q, q, AttnArgs(0.1), False)
 
 
-def test_backward_is_unverified_on_sm80_and_absent_on_sm90():
+def test_backward_is_offered_on_sm80_and_absent_on_sm90():
     from cute_flash.backends.cute import CuteSm80Backend, CuteSm90Backend
 
-    assert "backward" in CuteSm80Backend.unverified and "backward" not in CuteSm80Backend.features
+    assert "backward" in CuteSm80Backend.features and "backward" not in CuteSm80Backend.unverified
     assert "backward" not in CuteSm90Backend.unverified | CuteSm90Backend.features
     q = _q()
     with pytest.raises(NotImplementedError, match="backward"):

@@ -98,3 +98,7 @@ class Backend:
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
         raise NotImplementedError(f"backend {self.name!r} has no backward kernel yet")
+
+    def backward_refusal(self, q, k, v, args: AttnArgs, deterministic: bool) -> Optional[str]:
+        """Why this backend's backward kernel cannot take a call it offers "backward" for, or None."""
+        return None

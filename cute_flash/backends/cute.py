@@ -252,6 +252,17 @@ class _CuteBackend(Backend):
 
         backward(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args, deterministic)
 
+    def backward_refusal(self, q, k, v, args: AttnArgs, deterministic: bool) -> Optional[str]:
+        if deterministic:
+            return "deterministic=True (dQ is accumulated with fp32 atomics)"
+        from .cute_bwd import configs
+
+        try:
+            configs(q, k, v, None, args)
+        except NotImplementedError as exc:
+            return str(exc)
+        return None
+
     @staticmethod
     def launch(fn, q, k, v, out, lse, args: AttnArgs, extra: tuple = ()) -> None:
         """Run a compiled forward kernel on the current stream of q's device; `extra` are the
@@ -281,9 +292,9 @@ class CuteSm80Backend(_CuteBackend):
     name = "cute-sm80"
     config_module = "cute_flash.kernels.sm80.fwd_config"
     sources = ("common", "sm80")
-    # Written and compiled for sm_80 and sm_90a; tests/gpu/test_paged_split_sm80.py and
-    # tests/gpu/test_bwd_sm80.py check them.
-    unverified = frozenset({"paged_kv", "split_kv", "backward"})
+    # Paged KV, split-KV and the backward are checked on an H200 by
+    # tests/gpu/test_paged_split_sm80.py and tests/gpu/test_bwd_sm80.py.
+    features = _CuteBackend.features | {"paged_kv", "split_kv", "backward"}
     combine_cache = KernelCache("cute_flash.kernels.combine_config", (".", "common", "sm80"))
 
     def _gpu_reason(self) -> Optional[str]:
@@ -299,11 +310,9 @@ class CuteSm90Backend(_CuteBackend):
     name = "cute-sm90"
     config_module = "cute_flash.kernels.sm90.fwd_config"
     sources = ("common", "sm90")
-    # Checked on an H200 so far: causal and not, GQA/MQA, LSE, tails (sequence lengths off the
-    # tile, seqlen_k = 1), head dims 64/128/256, fp16 and bf16.
-    features = frozenset({"causal", "gqa", "return_lse"})
-    unverified = _CuteBackend.features - features
-    verified_headdims = frozenset({64, 128, 256})
+    # Every forward feature of the sm_80 kernel, checked on an H200 by tests/gpu/test_fwd_sm90.py
+    # for the head dims below; paged KV, split-KV and the backward are not written yet.
+    verified_headdims = frozenset({64, 96, 128, 192, 256})
 
     def _gpu_reason(self) -> Optional[str]:
         cc = torch.cuda.get_device_capability()

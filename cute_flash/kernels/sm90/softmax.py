@@ -16,7 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from ..common.softmax import OnlineSoftmax
+from ..common.softmax import OnlineSoftmax, rescale_factor
 from ..common.utils import acc_mn_view, exp2f, fmax, quad_allreduce
 
 
@@ -43,7 +43,8 @@ class DeferredRescaleSoftmax(OnlineSoftmax):
             prev_max = self.row_max[r]
             if cutlass.const_expr(not is_first):
                 new_max = fmax(prev_max, new_max)
-            ref = 0.0 if new_max == -Float32.inf else new_max * self.scale_log2
+            ref_max = 0.0 if new_max == -Float32.inf else new_max
+            ref = ref_max * self.scale_log2
             row_sum = Float32(0.0)
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 p = exp2f(acc_S_mn[r, c] * self.scale_log2 - ref)
@@ -52,7 +53,7 @@ class DeferredRescaleSoftmax(OnlineSoftmax):
             if cutlass.const_expr(is_first):
                 self.row_sum[r] = row_sum
             else:
-                factor = exp2f(prev_max * self.scale_log2 - ref)
+                factor = rescale_factor(prev_max, ref_max, self.scale_log2)
                 self.row_sum[r] = self.row_sum[r] * factor + row_sum
                 correction[r] = factor
             self.row_max[r] = new_max
