@@ -97,8 +97,9 @@ class CuteFlash(Runner):
 
         if case.mode == "fwd_bwd":
             return lambda: cute_flash.attention(x.q, x.k, x.v, causal=case.causal, backend=self.name)
+        paged = x.page_table is not None  # a paged cache needs its longest sequence up front
         return lambda: cute_flash.forward(x.q, x.k, x.v, causal=case.causal, page_table=x.page_table,
-                                          backend=self.name)
+                                          max_seqlen_k=case.seqlen_k if paged else None, backend=self.name)
 
 
 class Sdpa(Runner):
