@@ -32,6 +32,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from . import pack_gqa
 from .base import AttnArgs, Backend
 
 _KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
@@ -163,6 +164,9 @@ class _CuteBackend(Backend):
     """What the CuTe backends share: configuration, cache, launch. Subclasses name the kernels."""
 
     features = frozenset({"causal", "window", "softcap", "gqa", "varlen", "seqused_k", "headdim_v", "return_lse"})
+    # Decode with GQA as one CTA per KV head (backends/pack_gqa.py); only where it has been
+    # checked on a GPU.
+    pack_gqa_decode: bool = False
     config_module: str = ""
     sources: tuple = ()
 
@@ -221,6 +225,8 @@ class _CuteBackend(Backend):
             if lse is not None:
                 lse.fill_(float("-inf"))
             return
+        if self.pack_gqa_decode and pack_gqa.packable(q, k, args) and (lse is None or lse.is_contiguous()):
+            q, out, lse, args, workspace = pack_gqa.pack(q, k, out, lse, args, workspace)
         config, arch = self.config(q, k, v, lse, args), self.arch(q.device)
         if not inference:
             fn, _ = self.cache.get(config, arch)

@@ -1,7 +1,7 @@
 """Paged KV, split-KV and CUDA-graph decode of the sm_80 forward kernel, on a GPU (`pytest -m gpu`).
 
-These call the backend directly: `paged_kv` and `split_kv` stay refused by the API until this
-file passes. Every check is against the float64 oracle with the tolerance rule of DESIGN.md
+These call the backend directly (and switch on, per backend instance, what is not on by default
+yet: decode with packed GQA, `backends/pack_gqa.py`). Every check is against the float64 oracle with the tolerance rule of DESIGN.md
 (`tests/attention_oracle.py`); outputs are poisoned with NaN before each call.
 
 The paged caches are built to catch wrong reads: pages are shuffled, every row sits between NaN
@@ -221,6 +221,32 @@ def test_decode_shapes_paged_split_heuristic(seqlen_q):
     _check(q, k_cache, v_cache, args, backend=backend)
 
 
+@pytest.mark.parametrize("num_splits", [1, 0])
+@pytest.mark.parametrize("page_size", [0, 16, 64])
+@pytest.mark.parametrize("nheads,nheads_k", [(32, 8), (8, 1)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode_with_packed_gqa(d, nheads, nheads_k, page_size, num_splits):
+    """One query token per sequence, the query heads of each KV head as the rows of one tile:
+    the oracle's answer, as the unpacked kernel gives it."""
+    gen = torch.Generator().manual_seed(d + nheads + page_size)
+    torch.manual_seed(d * 7 + page_size + num_splits)
+    seqlens = [1, 777, 3000, 0]
+    q, k, v = _qkv(len(seqlens), 1, 3000, nheads, nheads_k, d)
+    used = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    kw = dict(causal=True, window_right=0, seqused_k=used, num_splits=num_splits)
+    if page_size:
+        k, v, table = _paged_cache(k, v, seqlens, page_size, gen)
+        kw.update(page_table=table, max_seqlen_k=max(seqlens))
+    args = _args(d, softcap=30.0 if d == 64 else 0.0, **kw)
+    backend = _backend(heuristic=True)
+    backend.pack_gqa_decode = True
+    out, lse = _check(q, k, v, args, backend=backend)
+    backend.pack_gqa_decode = False
+    out_unpacked, lse_unpacked = _check(q, k, v, args, backend=backend)
+    scale = max(1.0, out_unpacked.abs().max().item())
+    assert (out.float() - out_unpacked.float()).abs().max().item() <= 2 * torch.finfo(q.dtype).eps * scale
+
+
 # ------------------------------------------------------------------------------------------------
 # CUDA graphs
 # ------------------------------------------------------------------------------------------------
@@ -232,15 +258,17 @@ def _live_splits(seqlen_k: int, tile_n: int, splits: int) -> int:
     return 0 if n_blocks == 0 else -(-n_blocks // -(-n_blocks // splits))
 
 
+@pytest.mark.parametrize("seqlen_q,packed_gqa", [(2, False), (1, True)])
 @pytest.mark.parametrize("page_size", [16, 256])
-def test_cuda_graph_captured_at_maximum_sizes_replays_shorter_sequences(page_size):
+def test_cuda_graph_captured_at_maximum_sizes_replays_shorter_sequences(page_size, seqlen_q, packed_gqa):
     """A decode step captured once at the longest length, replayed with shorter seqused_k and new
     page tables: equal to eager and to the oracle, and the partial slots of splits past each
     sequence keep the sentinel they were filled with (the surplus CTAs write nothing)."""
     gen = torch.Generator().manual_seed(page_size)
     torch.manual_seed(page_size)
-    batch, seqlen_q, nheads, nheads_k, d, max_keys, splits = 4, 2, 32, 8, 128, 4096, 16
+    batch, nheads, nheads_k, d, max_keys, splits = 4, 32, 8, 128, 4096, 16
     backend = _backend()
+    backend.pack_gqa_decode = packed_gqa
     q, k, v = _qkv(batch, seqlen_q, max_keys, nheads, nheads_k, d)
     k_cache, v_cache, table = _paged_cache(k, v, [max_keys] * batch, page_size, gen, spare_pages=64)
     used = torch.full((batch,), max_keys, dtype=torch.int32, device="cuda")
