@@ -163,12 +163,24 @@ def test_api_refuses_unverified_paged_and_split_kv_naming_them(feature, monkeypa
         api._check_features(backend, args, q, k)
 
 
-def test_the_sm90_backend_does_not_take_paged_or_split_calls():
+@pytest.mark.parametrize("call", ["paged", "split", "plain", "heuristic"])
+def test_the_sm90_backend_runs_paged_and_split_calls_on_the_sm80_kernels(call, monkeypatch):
+    from cute_flash import backends
     from cute_flash.backends.cute import CuteSm90Backend
 
-    q, k, args = _decode()
-    with pytest.raises(NotImplementedError, match="paged_kv"):
-        CuteSm90Backend().fwd(q, k, k, torch.empty(2, 1, 8, 64), None, args)
+    ran = []
+    monkeypatch.setattr(backends.get_backend("cute-sm80"), "fwd", lambda *a, **kw: ran.append("sm80"))
+    sm90 = CuteSm90Backend()
+    monkeypatch.setattr(sm90, "config", lambda *a, **kw: ran.append("sm90") or fc.make_config("bfloat16", 64, 64))
+    monkeypatch.setattr(sm90, "arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(sm90.cache, "get", lambda config, arch: (None, None))
+    monkeypatch.setattr(sm90, "launch", lambda *a, **kw: None)
+    q, k, args = _decode(num_splits={"split": 4, "heuristic": 0}.get(call, 1))
+    if call != "paged":
+        args.page_table = None
+    assert {"paged_kv", "split_kv"} <= sm90.features | sm90.unverified
+    sm90.fwd(q, k, k, torch.empty(2, 1, 8, 64), None, args)
+    assert ran == (["sm80"] if call in ("paged", "split") else ["sm90"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -167,6 +167,8 @@ class _CuteBackend(Backend):
     # Decode with GQA as one CTA per KV head (backends/pack_gqa.py); only where it has been
     # checked on a GPU.
     pack_gqa_decode: bool = False
+    # The forward kernels take a page table and split-KV partials (backends/split_kv.py).
+    inference_kernels: bool = False
     config_module: str = ""
     sources: tuple = ()
 
@@ -207,8 +209,8 @@ class _CuteBackend(Backend):
     def fwd(self, q, k, v, out, lse, args: AttnArgs, workspace: Optional[tuple] = None) -> None:
         """`workspace`: optional (o_partial, lse_partial) float32 buffers for split-KV, shaped as
         `split_kv.partial_shapes` says (e.g. kept by a CUDA graph); allocated when None."""
-        # kernels that implement paged/split KV (verified or not) take their extra arguments
-        inference = "paged_kv" in self.features | self.unverified
+        # kernels built with paged/split KV take their extra arguments
+        inference = self.inference_kernels
         if args.page_table is not None and not inference:
             raise NotImplementedError(f"backend {self.name!r} does not implement: paged_kv")
         if args.num_splits > 1 and not inference:
@@ -301,6 +303,7 @@ class CuteSm80Backend(_CuteBackend):
     # Paged KV, split-KV and the backward are checked on an H200 by
     # tests/gpu/test_paged_split_sm80.py and tests/gpu/test_bwd_sm80.py.
     features = _CuteBackend.features | {"paged_kv", "split_kv", "backward"}
+    inference_kernels = True
     combine_cache = KernelCache("cute_flash.kernels.combine_config", (".", "common", "sm80"))
 
     def _gpu_reason(self) -> Optional[str]:
@@ -316,9 +319,18 @@ class CuteSm90Backend(_CuteBackend):
     name = "cute-sm90"
     config_module = "cute_flash.kernels.sm90.fwd_config"
     sources = ("common", "sm90")
-    # Every forward feature of the sm_80 kernel, checked on an H200 by tests/gpu/test_fwd_sm90.py
-    # for the head dims below; paged KV, split-KV and the backward are not written yet.
+    # The forward features, checked on an H200 by tests/gpu/test_fwd_sm90.py for the head dims
+    # below. A paged cache or an explicit split-KV runs the sm_80 kernels (`fwd`), which are checked
+    # on the same GPU under cute-sm80; this route's own GPU test has not run yet. No backward yet.
+    unverified = frozenset({"paged_kv", "split_kv"})
     verified_headdims = frozenset({64, 96, 128, 192, 256})
+
+    def fwd(self, q, k, v, out, lse, args: AttnArgs, workspace: Optional[tuple] = None) -> None:
+        if args.page_table is not None or args.num_splits > 1:
+            from . import get_backend
+
+            return get_backend("cute-sm80").fwd(q, k, v, out, lse, args, workspace)
+        return super().fwd(q, k, v, out, lse, args, workspace)
 
     def _gpu_reason(self) -> Optional[str]:
         cc = torch.cuda.get_device_capability()

@@ -247,6 +247,27 @@ def test_decode_with_packed_gqa(d, nheads, nheads_k, page_size, num_splits):
     assert (out.float() - out_unpacked.float()).abs().max().item() <= 2 * torch.finfo(q.dtype).eps * scale
 
 
+@pytest.mark.parametrize("num_splits", [0, 1, 4])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_the_sm90_backend_takes_paged_and_split_calls(seqlen_q, num_splits):
+    """cute-sm90 runs a paged cache or an explicit split-KV on these (sm_80) kernels."""
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    backend = backend_or_skip(CuteSm90Backend)
+    gen = torch.Generator().manual_seed(seqlen_q + num_splits)
+    torch.manual_seed(seqlen_q * 5 + num_splits)
+    seqlens = [4000, 1, 8192]
+    q, k, v = _qkv(3, seqlen_q, 8192, 32, 8, 128)
+    used = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    k_cache, v_cache, table = _paged_cache(k, v, seqlens, 64, gen)
+    paged = _args(128, causal=True, window_right=0, seqused_k=used, page_table=table, max_seqlen_k=8192,
+                  num_splits=num_splits)
+    _check(q, k_cache, v_cache, paged, backend=backend)
+    if num_splits > 1:
+        _check(q, k, v, _args(128, causal=True, window_right=0, seqused_k=used, num_splits=num_splits),
+               backend=backend)
+
+
 # ------------------------------------------------------------------------------------------------
 # CUDA graphs
 # ------------------------------------------------------------------------------------------------
