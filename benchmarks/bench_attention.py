@@ -76,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and 8k (explicit options still apply on top)")
     p.add_argument("--warmup", type=float, default=10, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=50, help="do_bench measuring time, ms")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time forward and decode as replays of a CUDA graph captured around one call: the "
+                        "kernels without the host's per-call work, as an inference engine that captures its "
+                        "steps sees them (forward + backward stays eager); results get a -graph suffix")
     p.add_argument("--max-minutes", type=float, default=8.0,
                    help="stop starting new cells after this long (they are marked 'not run'); 0 = no limit")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
@@ -261,8 +265,23 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:240]
 
 
-def run_cell(runner, case: Case, x, oracle_of, timer) -> Result:
-    """Check, then time, one provider on one case."""
+def _graph_replay(fn):
+    """A CUDA graph of one call of `fn` (warmed up on a side stream first, as capture requires);
+    returns (its replay, the output tensor each replay writes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def run_cell(runner, case: Case, x, oracle_of, timer, graph: bool = False) -> Result:
+    """Check, then time, one provider on one case (`graph`: time forward and decode as CUDA-graph
+    replays)."""
     reason = runner.not_applicable(case)
     if reason:
         return Result(case, runner.name, NOT_APPLICABLE, message=reason)
@@ -292,7 +311,21 @@ def run_cell(runner, case: Case, x, oracle_of, timer) -> Result:
                 ms = timer(lambda: fn().backward(x.dout), grad_to_none=list(leaves))
             else:
                 with torch.no_grad():
-                    ms = timer(fn)
+                    if graph:
+                        try:
+                            replay, graph_out = _graph_replay(fn)
+                        except Exception as e:
+                            return Result(case, runner.name, ERROR, message=f"CUDA-graph capture: {_short(e)}")
+                        graph_out.fill_(float("nan"))  # the replay must write the output again, and right
+                        replay()
+                        torch.cuda.synchronize()
+                        passed, err, tol, what = oracle_of().check(graph_out, None)
+                        if not passed:
+                            return Result(case, runner.name, WRONG, max_err=err, tolerance=tol,
+                                          message=f"CUDA-graph replay, {what}: max error {err:.3g} > tolerance {tol:.3g}")
+                        ms = timer(replay)
+                    else:
+                        ms = timer(fn)
         return Result(case, runner.name, OK, ms=ms, value=throughput(case, ms * 1e-3), max_err=err, tolerance=tol)
     except torch.cuda.OutOfMemoryError as e:
         return Result(case, runner.name, OOM, message=_short(e))
@@ -345,7 +378,8 @@ def run(args, argv=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     cases = build_cases(sweep_of(args))
     timer_name, timer = make_timer(args.warmup, args.rep)
-    meta = collect_meta(args, argv, timer_name)
+    meta = collect_meta(args, argv, timer_name + ("; forward and decode as CUDA-graph replays (no host work per call)"
+                                                   if args.cuda_graph else ""))
     runners, providers = [], []
     for name in args.providers:
         r = make_runner(name)
@@ -358,7 +392,7 @@ def run(args, argv=None) -> int:
             runners.append(r)
         else:
             print(f"skipping {name}: {reason}", file=sys.stderr)
-    stem = f"{_slug(torch.cuda.get_device_name())}-{datetime.date.today().isoformat()}"
+    stem = result_stem(torch.cuda.get_device_name(), datetime.date.today(), args.cuda_graph)
     earlier: dict = {}
     if args.resume:
         earlier_meta, _, earlier_results = read_json(args.resume)
@@ -398,7 +432,7 @@ def run(args, argv=None) -> int:
                 results.append(Result(case, r.name, NOT_RUN, message=stopped))
             else:
                 start = time.perf_counter()
-                results.append(run_cell(r, case, x, oracle, timer))
+                results.append(run_cell(r, case, x, oracle, timer, graph=args.cuda_graph))
                 results[-1].wall_s = round(time.perf_counter() - start, 2)
                 if results[-1].status == ERROR and not _context_alive():
                     stopped = f"the CUDA context was lost after {r.name} on {case.describe()}"
@@ -421,6 +455,11 @@ def run(args, argv=None) -> int:
     for path in (md_path, json_path, *plots):
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def result_stem(gpu_name: str, date: datetime.date, graph: bool) -> str:
+    """The results' file name without suffix: <gpu>-<date>, and -graph for CUDA-graph timing."""
+    return f"{_slug(gpu_name)}-{date.isoformat()}" + ("-graph" if graph else "")
 
 
 def _slug(name: str) -> str:

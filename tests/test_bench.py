@@ -295,3 +295,16 @@ def test_cli_rejects_an_unknown_provider(capsys):
 def test_recorded_command_leaves_out_where_files_go_and_come_from():
     argv = ["--quick", "--out-dir", "/some/where", "--modes=fwd", "--out-dir=/x", "--resume", "r.json"]
     assert bench_attention.command_line(argv) == "python benchmarks/bench_attention.py --quick --modes=fwd"
+
+
+def test_cuda_graph_results_get_their_own_name():
+    import datetime
+
+    day = datetime.date(2026, 11, 29)
+    assert bench_attention.result_stem("NVIDIA H200", day, graph=False) == "nvidia-h200-2026-11-29"
+    assert bench_attention.result_stem("NVIDIA H200", day, graph=True) == "nvidia-h200-2026-11-29-graph"
+
+
+def test_cli_accepts_cuda_graph_timing(capsys):
+    bench_attention.main(["--cuda-graph", "--quick", "--dry-run"])
+    assert "decode" in capsys.readouterr().out
