@@ -64,16 +64,6 @@ def test_sm90_backend_declares_only_what_it_implements():
     assert not backend.features & {"paged_kv", "split_kv", "backward", "fp32"}
 
 
-def test_sm90_backend_raises_for_paged_and_split_kv():
-    from cute_flash.backends.cute import CuteSm90Backend
-
-    q = torch.empty(1, 1, 1, 64, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="paged_kv"):
-        CuteSm90Backend().fwd(q, q, q, q, None, AttnArgs(0.1, page_table=torch.zeros(1, 1, dtype=torch.int32)))
-    with pytest.raises(NotImplementedError, match="split_kv"):
-        CuteSm90Backend().fwd(q, q, q, q, None, AttnArgs(0.1, num_splits=2))
-
-
 # ------------------------------------------------------------------------------------------------
 # WGMMA fragment identities (trace time, no compile)
 # ------------------------------------------------------------------------------------------------
