@@ -11,7 +11,6 @@ import torch
 
 os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 
-from cute_flash.backends.base import AttnArgs  # noqa: E402
 from cute_flash.kernels.sm90 import fwd_config as fc  # noqa: E402
 from kernel_flag_cases import FLAG_CASES, expected_flags, flags_of
 
