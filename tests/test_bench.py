@@ -308,3 +308,29 @@ def test_cuda_graph_results_get_their_own_name():
 def test_cli_accepts_cuda_graph_timing(capsys):
     bench_attention.main(["--cuda-graph", "--quick", "--dry-run"])
     assert "decode" in capsys.readouterr().out
+
+
+def test_tile_candidates_parse_and_replace_only_the_tile():
+    import argparse
+
+    import tune_tiles  # noqa: E402  (benchmarks/ is on sys.path above)
+
+    assert tune_tiles.parse_candidate("128x144w2s2", "sm_90a") == dict(
+        tile_m=128, tile_n=144, num_stages=2, num_consumer_wgs=2, pingpong=True)
+    assert tune_tiles.parse_candidate("128x128w2s2-nopp", "sm_90a")["pingpong"] is False
+    assert tune_tiles.parse_candidate("128x64w8s2", "sm_80") == dict(tile_m=128, tile_n=64, num_stages=2, num_warps=8)
+    with pytest.raises(ValueError, match="MxNwWsS"):
+        tune_tiles.parse_candidate("128by64", "sm_80")
+    args = argparse.Namespace(
+        arch="sm_90a", dtype="bfloat16", head_dim=128, causal=True, candidates=["128x144w2s2", "100x128w2s2"])
+    (label, shipped, _), (_, tuned, _), (_, bad, why) = tune_tiles.candidates(args)
+    assert label == "shipped" and tuned.causal and tuned.tile_n == 144
+    assert replace_tile(tuned, shipped) == shipped  # nothing but the tile differs
+    assert bad is None and "64 per consumer warpgroup" in why
+
+
+def replace_tile(config, like):
+    from dataclasses import replace
+
+    return replace(config, **{f: getattr(like, f) for f in ("tile_m", "tile_n", "num_stages", "num_consumer_wgs",
+                                                            "pingpong")})

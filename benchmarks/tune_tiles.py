@@ -1,0 +1,186 @@
+"""Try forward tile shapes that the tile tables do not ship: spills on the CPU, speed on a GPU.
+
+    python benchmarks/tune_tiles.py --arch sm_90a --head-dim 128 --compile-only   # CPU: registers, spills
+    python benchmarks/tune_tiles.py --arch sm_90a --head-dim 128 --causal         # GPU: check, then time
+
+A candidate is `MxN` + `wW` (sm_90a: consumer warpgroups; sm_80: warps) + `sS` (K/V stages),
+with `-nopp` to turn the sm_90 ping-pong off, e.g. `128x176w2s2`, `192x128w3s2-nopp`,
+`128x64w4s2`. Every candidate is built from the shipped configuration of the head dim, dtype
+and mask, with only its tile fields replaced, so it differs from the shipped kernel in the tile
+alone. The shipped tile is always measured too, as the baseline.
+
+`--compile-only` runs the audit of `cute_flash.audit` on each candidate (no GPU needed) and
+prints registers, spill bytes and shared memory: a candidate that spills is not worth timing.
+Without it, on a GPU, each candidate is first checked against the float32 reference on a small
+problem with odd lengths (a wrong kernel is reported and not timed), then timed with
+`triton.testing.do_bench` on batch x seqlen x heads (default 2 x 8192 x 16, head dim from
+--head-dim), next to flash-attn-4 when it is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(-nopp)?$")
+
+
+def parse_candidate(spec: str, arch: str) -> dict:
+    """`128x176w2s2[-nopp]` -> the config fields it sets."""
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise ValueError(f"candidate {spec!r} is not MxNwWsS[-nopp] (e.g. 128x176w2s2)")
+    tile_m, tile_n, workers, stages = (int(g) for g in m.groups()[:4])
+    fields = dict(tile_m=tile_m, tile_n=tile_n, num_stages=stages)
+    if arch == "sm_90a":
+        fields.update(num_consumer_wgs=workers, pingpong=not m.group(5))
+    else:
+        if m.group(5):
+            raise ValueError("-nopp is an sm_90a option")
+        fields.update(num_warps=workers)
+    return fields
+
+
+def config_module(arch: str):
+    if arch == "sm_90a":
+        from cute_flash.kernels.sm90 import fwd_config
+    else:
+        from cute_flash.kernels.sm80 import fwd_config
+    return fwd_config
+
+
+def candidates(args) -> list:
+    """(label, config or None, why not) for the shipped tile and every candidate."""
+    fc = config_module(args.arch)
+    shipped = fc.make_config(args.dtype, args.head_dim, args.head_dim, causal=args.causal)
+    out = [("shipped", shipped, None)]
+    for spec in args.candidates:
+        try:
+            out.append((spec, replace(shipped, **parse_candidate(spec, args.arch)), None))
+        except (ValueError, TypeError) as exc:
+            out.append((spec, None, str(exc)))
+    return out
+
+
+def compile_only(args, configs) -> None:
+    from cute_flash.audit import AuditTarget, audit_target
+
+    fc = config_module(args.arch)
+    print(f"{'candidate':<20} {'regs':>5} {'spill st/ld (B)':>16} {'smem (KB)':>10}  note")
+    for label, config, why in configs:
+        if config is None:
+            print(f"{label:<20} {'':>5} {'':>16} {'':>10}  invalid: {why}")
+            continue
+        row = audit_target(AuditTarget(config.name, args.arch, lambda opts, c=config: fc.compile_fwd(c, opts)))
+        if row.error:
+            print(f"{label:<20} {'':>5} {'':>16} {'':>10}  does not compile: {row.error}")
+            continue
+        smem = (row.smem_dynamic or 0) / 1024
+        note = "SPILLS" if row.spills else ""
+        print(f"{label:<20} {row.registers or '?':>5} {f'{row.spill_stores or 0}/{row.spill_loads or 0}':>16} "
+              f"{smem:>10.1f}  {note}", flush=True)
+
+
+def on_gpu(args, configs) -> None:
+    import torch
+    from triton.testing import do_bench
+
+    from cute_flash.backends import get_backend
+    from cute_flash.backends.base import AttnArgs
+    from cute_flash.backends.reference import reference_attention
+
+    fc = config_module(args.arch)
+    backend = get_backend("cute-sm90" if args.arch == "sm_90a" else "cute-sm80")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    d = args.head_dim
+
+    def attn_args(sq, sk):
+        return AttnArgs(softmax_scale=d ** -0.5, causal=args.causal, window_right=0 if args.causal else -1)
+
+    def launcher(fn):
+        extra = ()
+        if backend.inference_kernels:  # the sm_80 kernels take page table / split-KV arguments
+            from cutlass import Int32
+
+            extra = (None, None, None, Int32(1))
+
+        def run(q, k, v, out, lse, a):
+            backend.launch(fn, q, k, v, out, lse, a, extra=extra)
+
+        return run
+
+    def inputs(b, sq, sk, h):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        return tuple(torch.randn(b, s, h, d, dtype=dtype, device="cuda", generator=g) for s in (sq, sk, sk))
+
+    small = inputs(2, 333, 1001, 2)
+    ref, _ = reference_attention(*small, attn_args(333, 1001))
+    ref_torch, _ = reference_attention(*small, attn_args(333, 1001), compute_dtype=dtype)
+    bound = 2 * (ref_torch.float() - ref).abs().max().item() + 2 ** -8
+    b, s, h = args.batch, args.seqlen, args.heads
+    big = inputs(b, s, s, h)
+    flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
+    print(f"{args.arch} hd{d} {args.dtype} {'causal' if args.causal else 'non-causal'}: "
+          f"check on 2 x 333/1001 x 2 heads, time on {b} x {s} x {h} heads")
+    for label, config, why in configs:
+        if config is None:
+            print(f"{label:<20} invalid: {why}")
+            continue
+        try:
+            run = launcher(fc.compile_fwd(config, f"--gpu-arch {args.arch}"))
+            out = torch.full_like(small[0], math.nan)
+            lse = torch.full((2, 2, 333), math.nan, device="cuda")
+            run(*small, out, lse, attn_args(333, 1001))
+            torch.cuda.synchronize()
+            err = (out.float() - ref).abs().max().item()
+            if not err <= bound:
+                print(f"{label:<20} WRONG: max error {err:.3g} > {bound:.3g}")
+                continue
+            o = torch.empty_like(big[0])
+            lse = torch.empty(b, h, s, device="cuda")
+            ms = do_bench(lambda: run(*big, o, lse, attn_args(s, s)), warmup=25, rep=100, return_mode="median")
+            print(f"{label:<20} {flops / ms * 1e-9:8.1f} TFLOP/s   ({config.name}, error {err:.2e})", flush=True)
+        except Exception as exc:
+            print(f"{label:<20} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except ImportError:
+        return
+    q, k, v = big
+    ms = do_bench(lambda: flash_attn_func(q, k, v, causal=args.causal), warmup=25, rep=100, return_mode="median")
+    print(f"{'flash-attn-4':<20} {flops / ms * 1e-9:8.1f} TFLOP/s")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=("sm_80", "sm_90a"), default="sm_90a")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--candidates", type=lambda s: [c for c in s.split(",") if c],
+                   default=None, help="comma list (default: a few around the shipped tile)")
+    p.add_argument("--compile-only", action="store_true", help="registers and spills only (no GPU needed)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=16)
+    args = p.parse_args(argv)
+    if args.candidates is None:
+        args.candidates = (["128x176w2s2", "128x160w2s2", "128x144w2s2", "192x128w3s2", "192x112w3s2",
+                            "128x128w2s2-nopp", "128x128w2s3"]
+                           if args.arch == "sm_90a" else ["128x64w4s2", "128x128w8s1", "128x64w8s2", "64x128w4s2"])
+    configs = candidates(args)
+    if args.compile_only:
+        compile_only(args, configs)
+    else:
+        on_gpu(args, configs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
