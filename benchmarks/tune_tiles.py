@@ -95,7 +95,6 @@ def on_gpu(args, configs) -> None:
     from cute_flash.backends.base import AttnArgs
     from cute_flash.backends.reference import reference_attention
 
-    fc = config_module(args.arch)
     backend = get_backend("cute-sm90" if args.arch == "sm_90a" else "cute-sm80")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     d = args.head_dim
@@ -104,14 +103,12 @@ def on_gpu(args, configs) -> None:
         return AttnArgs(softmax_scale=d ** -0.5, causal=args.causal, window_right=0 if args.causal else -1)
 
     def launcher(fn):
-        extra = ()
-        if backend.inference_kernels:  # the sm_80 kernels take page table / split-KV arguments
-            from cutlass import Int32
-
-            extra = (None, None, None, Int32(1))
+        ka = backend.cache.args
+        # the sm_80 kernels take page table / split-KV arguments
+        extra = (None, None, None, ka.i32(1)) if backend.inference_kernels else ()
 
         def run(q, k, v, out, lse, a):
-            backend.launch(fn, q, k, v, out, lse, a, extra=extra)
+            backend.launch(fn, q, k, v, out, lse, a, ka, extra=extra)
 
         return run
 
@@ -133,7 +130,7 @@ def on_gpu(args, configs) -> None:
             print(f"{label:<20} invalid: {why}")
             continue
         try:
-            run = launcher(fc.compile_fwd(config, f"--gpu-arch {args.arch}"))
+            run = launcher(backend.cache.get(config, args.arch)[0])
             out = torch.full_like(small[0], math.nan)
             lse = torch.full((2, 2, 333), math.nan, device="cuda")
             run(*small, out, lse, attn_args(333, 1001))

@@ -117,7 +117,7 @@ def test_cute_backend_launches_the_packed_call(monkeypatch):
     monkeypatch.setattr(backend, "arch", lambda device=None: "sm_80")
     monkeypatch.setattr(backend.cache, "get", lambda config, arch: (None, None))
     monkeypatch.setattr("cute_flash.backends.split_kv.num_splits", lambda *a, **kw: 1)
-    monkeypatch.setattr(backend, "launch", lambda fn, q, k, v, out, lse, args, extra=(): seen.update(
+    monkeypatch.setattr(backend, "launch", lambda fn, q, k, v, out, lse, args, a, extra=(): seen.update(
         launch=(q.shape, out.shape, lse.shape, args.causal)))
     q, k, v, _ = _decode_problem(batch=2, nheads=8, nheads_k=2)
     out, lse = torch.empty(2, 1, 8, 64), torch.empty(2, 8, 1)

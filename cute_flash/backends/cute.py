@@ -16,10 +16,18 @@ Compiled kernels are cached twice:
 
 Sequence lengths, batch, heads, strides, the scale and the window sizes are run-time
 arguments, so one compiled kernel serves every shape of its configuration.
+
+Launch paths. By default a kernel is called through the DSL's own Python path: every tensor is
+wrapped as a cute tensor (`from_dlpack`) and the stream is passed explicitly, which costs
+hundreds of microseconds of host time per call on a GPU host. `CUTE_FLASH_TVM_FFI=1` (needs
+`apache-tvm-ffi`) compiles with `--enable-tvm-ffi` instead: torch tensors and Python scalars go
+straight to a C entry point and the stream is the current torch stream (TVM-FFI's environment
+stream). It stays opt-in until it has been checked and timed on a GPU (`KernelArgs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import os
@@ -48,6 +56,70 @@ def cache_dir() -> Path:
     return Path(base) / "cute_flash"
 
 
+TVM_FFI_OPTION = "--enable-tvm-ffi"
+
+
+def tvm_ffi_requested() -> bool:
+    """`CUTE_FLASH_TVM_FFI=1`: compile and launch through TVM-FFI (see the module docstring)."""
+    if os.environ.get("CUTE_FLASH_TVM_FFI", "0").lower() in ("", "0", "false", "no"):
+        return False
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(f"CUTE_FLASH_TVM_FFI=1 needs the apache-tvm-ffi package ({exc})") from exc
+    return True
+
+
+class KernelArgs:
+    """Launch arguments for the kernels of one `KernelCache`, in the form its launch path takes:
+    cute tensors, DSL scalars and an explicit stream (the DSL's call path), or torch tensors and
+    Python scalars with the stream left to TVM-FFI's environment (kernels compiled with
+    `--enable-tvm-ffi`). `None` stays `None` (an absent optional tensor) either way."""
+
+    def __init__(self, tvm_ffi: bool):
+        self.tvm_ffi = tvm_ffi
+
+    def tensor(self, t: Optional[torch.Tensor], align: int):
+        return t if self.tvm_ffi or t is None else _as_cute(t, align)
+
+    def i32(self, x: int):
+        if self.tvm_ffi:
+            return int(x)
+        from cutlass import Int32
+
+        return Int32(x)
+
+    def f32(self, x: float):
+        if self.tvm_ffi:
+            return float(x)
+        from cutlass import Float32
+
+        return Float32(x)
+
+    def stream(self) -> tuple:
+        """The trailing stream argument: none for TVM-FFI (the kernel takes its environment
+        stream, which `context` sets), else the current torch stream of the current device."""
+        if self.tvm_ffi:
+            return ()
+        import cuda.bindings.driver as cuda
+
+        return (cuda.CUstream(torch.cuda.current_stream().cuda_stream),)
+
+    @contextlib.contextmanager
+    def context(self, device: torch.device):
+        """Around a launch: `device` current, and for TVM-FFI its environment stream set to the
+        current torch stream (graph capture and side streams included)."""
+        with torch.cuda.device(device):
+            if not self.tvm_ffi:
+                yield
+                return
+            import tvm_ffi
+
+            index = torch.cuda.current_device()
+            with tvm_ffi.use_raw_stream(tvm_ffi.device(f"cuda:{index}"), torch.cuda.current_stream().cuda_stream):
+                yield
+
+
 def device_arch(device: Optional[torch.device] = None) -> str:
     """The DSL's name for the arch of `device` (sm_80, sm_86, sm_90a, sm_100a, ...)."""
     major, minor = torch.cuda.get_device_capability(device)
@@ -72,6 +144,8 @@ class KernelCache:
     def __init__(self, config_module: str, sources: tuple):
         self.config_module = config_module
         self.sources = sources
+        self.tvm_ffi = tvm_ffi_requested()  # fixed for the cache's life: compile and launch agree
+        self.args = KernelArgs(self.tvm_ffi)
         self._compiled: dict = {}
         self._lock = threading.Lock()
         self._digest: Optional[str] = None
@@ -92,7 +166,8 @@ class KernelCache:
             self._digest = self._source_digest()
         # the name is for people; the hash of every field is what keeps two configs apart
         fields = hashlib.sha256(repr(key.config).encode()).hexdigest()[:12]
-        return cache_dir() / f"{key.config.name}-{key.arch}-{fields}-{self._digest}.o"
+        ffi = "-tvmffi" if self.tvm_ffi else ""
+        return cache_dir() / f"{key.config.name}-{key.arch}{ffi}-{fields}-{self._digest}.o"
 
     def get(self, config, arch: str):
         """(compiled function, where it came from: "memory" | "disk" | "compiled")."""
@@ -114,20 +189,24 @@ class KernelCache:
         import cutlass.runtime
 
         try:
-            return getattr(cutlass.runtime.load_module(str(path)), "kernel")
+            return getattr(cutlass.runtime.load_module(str(path), enable_tvm_ffi=self.tvm_ffi), "kernel")
         except Exception as exc:  # a corrupt or foreign file: recompile and overwrite it
             warnings.warn(f"cute_flash: ignoring unreadable cached kernel {path}: {exc}", stacklevel=3)
             return None
 
     def _compile(self, key: _CacheKey):
-        fn = importlib.import_module(self.config_module).compile_fwd(key.config, f"--gpu-arch {key.arch}")
+        options = f"--gpu-arch {key.arch}" + (f" {TVM_FFI_OPTION}" if self.tvm_ffi else "")
+        fn = importlib.import_module(self.config_module).compile_fwd(key.config, options)
         if self._disk_ok:
             path = self._path(key)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".tmp{os.getpid()}")
                 tmp.mkdir(exist_ok=True)
-                fn.export_to_c(str(tmp), "kernel", "kernel")
+                if self.tvm_ffi:
+                    fn.export_to_c(str(tmp / "kernel.o"), "kernel")
+                else:
+                    fn.export_to_c(str(tmp), "kernel", "kernel")
                 os.replace(tmp / "kernel.o", path)  # atomic: readers never see half a file
                 for leftover in tmp.iterdir():
                     leftover.unlink()
@@ -232,26 +311,25 @@ class _CuteBackend(Backend):
         config, arch = self.config(q, k, v, lse, args), self.arch(q.device)
         if not inference:
             fn, _ = self.cache.get(config, arch)
-            self.launch(fn, q, k, v, out, lse, args)
+            self.launch(fn, q, k, v, out, lse, args, self.cache.args)
             return
-        from cutlass import Int32
-
         from . import split_kv
 
         page_table = args.page_table
         if page_table is not None and page_table.stride(-1) != 1:
             page_table = page_table.contiguous()
         splits = split_kv.num_splits(q, k, args, config, heuristic="split_kv" in self.features)
+        a = self.cache.args
         if splits == 1:
             fn, _ = self.cache.get(config, arch)
-            self.launch(fn, q, k, v, out, lse, args, extra=(_as_cute(page_table, 4), None, None, Int32(1)))
+            self.launch(fn, q, k, v, out, lse, args, a, extra=(a.tensor(page_table, 4), None, None, a.i32(1)))
             return
         o_partial, lse_partial = split_kv.partials(q, v, args, splits, workspace)
         fn, _ = self.cache.get(replace(config, split_kv=True, has_lse=False), arch)
-        self.launch(fn, q, k, v, out, None, args,
-                    extra=(_as_cute(page_table, 4), _as_cute(o_partial, 16), _as_cute(lse_partial, 4), Int32(splits)))
+        self.launch(fn, q, k, v, out, None, args, a,
+                    extra=(a.tensor(page_table, 4), a.tensor(o_partial, 16), a.tensor(lse_partial, 4), a.i32(splits)))
         combine, _ = self.combine_cache.get(split_kv.combine_config(out, lse, args, config), arch)
-        split_kv.launch_combine(combine, o_partial, lse_partial, out, lse, k, args, _as_cute)
+        split_kv.launch_combine(combine, o_partial, lse_partial, out, lse, k, args, self.combine_cache.args)
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
         if "backward" not in self.features | self.unverified:
@@ -272,25 +350,22 @@ class _CuteBackend(Backend):
         return None
 
     @staticmethod
-    def launch(fn, q, k, v, out, lse, args: AttnArgs, extra: tuple = ()) -> None:
-        """Run a compiled forward kernel on the current stream of q's device; `extra` are the
-        paged/split-KV arguments of kernels that take them."""
-        import cuda.bindings.driver as cuda
-        from cutlass import Float32, Int32
-
+    def launch(fn, q, k, v, out, lse, args: AttnArgs, a: KernelArgs, extra: tuple = ()) -> None:
+        """Run a compiled forward kernel on the current stream of q's device; `a` converts the
+        arguments for the kernel's launch path, `extra` are the (converted) paged/split-KV
+        arguments of kernels that take them."""
         from ..kernels.common.softmax import softmax_constants
 
         varlen_q = args.cu_seqlens_q is not None
         num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
         max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
         scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)
-        with torch.cuda.device(q.device):
-            stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        with a.context(q.device):
             fn(
-                _as_cute(q, 16), _as_cute(k, 16), _as_cute(v, 16), _as_cute(out, 16), _as_cute(lse, 4),
-                _as_cute(args.cu_seqlens_q, 4), _as_cute(args.cu_seqlens_k, 4), _as_cute(args.seqused_k, 4),
-                Int32(num_batch), Int32(max_seqlen_q), Float32(scale_log2), Float32(softcap_prescale),
-                Int32(args.window_left), Int32(args.window_right), *extra, stream,
+                a.tensor(q, 16), a.tensor(k, 16), a.tensor(v, 16), a.tensor(out, 16), a.tensor(lse, 4),
+                a.tensor(args.cu_seqlens_q, 4), a.tensor(args.cu_seqlens_k, 4), a.tensor(args.seqused_k, 4),
+                a.i32(num_batch), a.i32(max_seqlen_q), a.f32(scale_log2), a.f32(softcap_prescale),
+                a.i32(args.window_left), a.i32(args.window_right), *extra, *a.stream(),
             )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .base import AttnArgs
-from .cute import _DTYPE_NAMES, KernelCache, _as_cute, kernel_flags
+from .cute import _DTYPE_NAMES, KernelCache, kernel_flags
 
 CONFIG_MODULE = "cute_flash.kernels.sm80.bwd_config"
 _cache = None
@@ -53,9 +53,6 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
 
 def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
     """Write dq, dk, dv in place (see the module docstring)."""
-    import cuda.bindings.driver as cuda
-    from cutlass import Float32, Int32
-
     from ..kernels.common.softmax import softmax_constants
 
     if deterministic:
@@ -93,19 +90,19 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
     fn_main, _ = kernel_cache().get(main, arch)
     fn_post, _ = kernel_cache().get(post, arch)
     scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)
-    cu_q, cu_k, used_k = (_as_cute(t, 4) for t in (args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k))
-    with torch.cuda.device(q.device):
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    a = kernel_cache().args
+    cu_q, cu_k, used_k = (a.tensor(t, 4) for t in (args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k))
+    with a.context(q.device):
         fn_pre(
-            _as_cute(out, 16), _as_cute(dout, 16), _as_cute(lse, 4), _as_cute(dlse, 4), _as_cute(lse_log2, 4),
-            _as_cute(delta, 4), cu_q, Int32(num_batch), Int32(max_seqlen_q), stream,
+            a.tensor(out, 16), a.tensor(dout, 16), a.tensor(lse, 4), a.tensor(dlse, 4), a.tensor(lse_log2, 4),
+            a.tensor(delta, 4), cu_q, a.i32(num_batch), a.i32(max_seqlen_q), *a.stream(),
         )
         fn_main(
-            _as_cute(q, 16), _as_cute(k, 16), _as_cute(v, 16), _as_cute(dout, 16), _as_cute(lse_log2, 4),
-            _as_cute(delta, 4), _as_cute(dq_accum, 16), _as_cute(dk, 16), _as_cute(dv, 16), cu_q, cu_k, used_k,
-            Int32(num_batch), Int32(max_seqlen_k), Float32(args.softmax_scale), Float32(scale_log2),
-            Float32(softcap_prescale), Int32(args.window_left), Int32(args.window_right), stream,
+            a.tensor(q, 16), a.tensor(k, 16), a.tensor(v, 16), a.tensor(dout, 16), a.tensor(lse_log2, 4),
+            a.tensor(delta, 4), a.tensor(dq_accum, 16), a.tensor(dk, 16), a.tensor(dv, 16), cu_q, cu_k, used_k,
+            a.i32(num_batch), a.i32(max_seqlen_k), a.f32(args.softmax_scale), a.f32(scale_log2),
+            a.f32(softcap_prescale), a.i32(args.window_left), a.i32(args.window_right), *a.stream(),
         )
-        fn_post(_as_cute(dq_accum, 16), _as_cute(dq, 16), cu_q, Int32(num_batch), Int32(max_seqlen_q),
-                Float32(args.softmax_scale), stream)
+        fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),
+                a.f32(args.softmax_scale), *a.stream())
 

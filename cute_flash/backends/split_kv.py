@@ -85,18 +85,15 @@ def combine_config(out: torch.Tensor, lse: Optional[torch.Tensor], args: AttnArg
     )
 
 
-def launch_combine(fn, o_partial, lse_partial, out, lse, k, args: AttnArgs, as_cute) -> None:
-    """Run a compiled combine on the current stream of out's device."""
-    import cuda.bindings.driver as cuda
-    from cutlass import Int32
-
+def launch_combine(fn, o_partial, lse_partial, out, lse, k, args: AttnArgs, a) -> None:
+    """Run a compiled combine on the current stream of out's device (`a`: the `KernelArgs` of its
+    cache)."""
     varlen_q = args.cu_seqlens_q is not None
     num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else out.shape[0]
     max_seqlen_q = args.max_seqlen_q if varlen_q else out.shape[1]
-    with torch.cuda.device(out.device):
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    with a.context(out.device):
         fn(
-            as_cute(o_partial, 16), as_cute(lse_partial, 4), as_cute(out, 16), as_cute(lse, 4),
-            as_cute(args.cu_seqlens_q, 4), as_cute(args.cu_seqlens_k, 4), as_cute(args.seqused_k, 4),
-            Int32(capacity(k, args)), Int32(num_batch), Int32(max_seqlen_q), Int32(o_partial.shape[0]), stream,
+            a.tensor(o_partial, 16), a.tensor(lse_partial, 4), a.tensor(out, 16), a.tensor(lse, 4),
+            a.tensor(args.cu_seqlens_q, 4), a.tensor(args.cu_seqlens_k, 4), a.tensor(args.seqused_k, 4),
+            a.i32(capacity(k, args)), a.i32(num_batch), a.i32(max_seqlen_q), a.i32(o_partial.shape[0]), *a.stream(),
         )

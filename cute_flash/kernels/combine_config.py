@@ -121,12 +121,13 @@ def fake_arguments(config: CombineConfig) -> tuple:
 def compile_fwd(config: CombineConfig, options: str = "--gpu-arch sm_80"):
     """cute.compile the combine of `config` (named for `backends.cute.KernelCache`, which compiles
     every kernel of the forward pass through its config module's `compile_fwd`)."""
-    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
+
+    from .common.fake_tensors import fake_stream
 
     from .combine import FlashCombine
 
-    return cute.compile(FlashCombine(config), *fake_arguments(config), cuda.CUstream(0), options=options)
+    return cute.compile(FlashCombine(config), *fake_arguments(config), fake_stream(options), options=options)
 
 
 def audit_targets(arch: str) -> list:

@@ -208,6 +208,6 @@ def test_sm90_fwd_schedule_variants_agree(overlap, pingpong):
     backend = CuteSm90Backend()
     base = backend.config(q, k, v, lse, args)
     fn, _ = backend.cache.get(replace(base, intra_wg_overlap=overlap, pingpong=pingpong), backend.arch())
-    backend.launch(fn, q, k, v, out, lse, args)
+    backend.launch(fn, q, k, v, out, lse, args, backend.cache.args)
     torch.cuda.synchronize()
     check_forward(out, lse, q, k, v, args)

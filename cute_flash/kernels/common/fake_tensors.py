@@ -35,3 +35,16 @@ def fake_int_vector():
     import cutlass
 
     return fake_tensor(cutlass.Int32, 1)
+
+
+def fake_stream(options: str):
+    """The stream argument to compile with: a placeholder CUstream, or, for a kernel compiled with
+    `--enable-tvm-ffi`, TVM-FFI's environment stream (the caller's current stream; the launch
+    then passes none)."""
+    if "--enable-tvm-ffi" in options.split():
+        from cutlass.cute.runtime import make_fake_stream
+
+        return make_fake_stream(use_tvm_ffi_env_stream=True)
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ..common.fake_tensors import element_type, fake_int_vector, fake_tensor, fake_tokens
+from ..common.fake_tensors import element_type, fake_int_vector, fake_stream, fake_tensor, fake_tokens
 from ..common.tiles import pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128)
@@ -237,11 +237,10 @@ def fake_arguments(config: Sm80BwdConfig) -> tuple:
 def compile_kernel(config, options: str = "--gpu-arch sm_80"):
     """cute.compile the kernel of a backward `config` (main, preprocess or postprocess) with
     extra compiler `options` (e.g. the arch)."""
-    import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
 
-    stream = cuda.CUstream(0)
+    stream = fake_stream(options)
     if isinstance(config, Sm80BwdPreConfig):
         from .bwd_pre import FlashBwdPreSm80
 

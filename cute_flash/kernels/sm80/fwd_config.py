@@ -206,12 +206,13 @@ def fake_arguments(config: Sm80FwdConfig) -> tuple:
 
 def compile_fwd(config: Sm80FwdConfig, options: str = "--gpu-arch sm_80"):
     """cute.compile the kernel of `config` (with extra compiler `options`, e.g. the arch)."""
-    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
+
+    from ..common.fake_tensors import fake_stream
 
     from .fwd import FlashFwdSm80
 
-    return cute.compile(FlashFwdSm80(config), *fake_arguments(config), cuda.CUstream(0), options=options)
+    return cute.compile(FlashFwdSm80(config), *fake_arguments(config), fake_stream(options), options=options)
 
 
 def audit_targets(arch: str) -> list:

@@ -205,12 +205,13 @@ def fake_arguments(config: Sm90FwdConfig) -> tuple:
 
 def compile_fwd(config: Sm90FwdConfig, options: str = "--gpu-arch sm_90a"):
     """cute.compile the kernel of `config` (with extra compiler `options`, e.g. the arch)."""
-    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
+
+    from ..common.fake_tensors import fake_stream
 
     from .fwd import FlashFwdSm90
 
-    return cute.compile(FlashFwdSm90(config), *fake_arguments(config), cuda.CUstream(0), options=options)
+    return cute.compile(FlashFwdSm90(config), *fake_arguments(config), fake_stream(options), options=options)
 
 
 def audit_targets(arch: str) -> list:

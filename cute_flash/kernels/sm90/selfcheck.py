@@ -82,7 +82,7 @@ def check_errors() -> bool:
         for variant, flags in VARIANTS.items():
             out, lse = _outputs(q, v, args)
             fn, _ = BACKEND.cache.get(replace(base, **flags), BACKEND.arch())
-            BACKEND.launch(fn, q, k, v, out, lse, args)
+            BACKEND.launch(fn, q, k, v, out, lse, args, BACKEND.cache.args)
             torch.cuda.synchronize()
             err = (out.float() - ref).abs().max().item()
             live = ~torch.isneginf(ref_lse)
@@ -124,7 +124,7 @@ def bench() -> None:
                 line = [f"hd{d} seqlen {seqlen} {'causal' if causal else 'non-causal'}:"]
                 for variant, flags in VARIANTS.items():
                     fn, _ = BACKEND.cache.get(replace(base, **flags), BACKEND.arch())
-                    ms = _time_ms(lambda: BACKEND.launch(fn, q, k, v, out, lse, args))
+                    ms = _time_ms(lambda: BACKEND.launch(fn, q, k, v, out, lse, args, BACKEND.cache.args))
                     line.append(f"{variant} {flops / ms / 1e9:6.1f} TFLOP/s")
                 print("  ".join(line))
 
