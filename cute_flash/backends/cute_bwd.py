@@ -8,8 +8,9 @@
 3. postprocess (`kernels/sm80/bwd_post.py`): dQ = scale * accumulator, rounded to the dtype.
 
 GQA therefore needs no dK/dV buffers and no reduction pass. The atomic dQ accumulation makes the
-order of the fp32 additions, and so the last bits of dQ, vary from run to run: `deterministic=True`
-is refused with NotImplementedError.
+order of the fp32 additions, and so the last bits of dQ, vary from run to run; with
+`deterministic=True` the key blocks that see a query block add into it one at a time, in order,
+through a turn counter per (batch, head, query block), so dQ is the same on every run.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ def kernel_cache() -> KernelCache:
     return _cache
 
 
-def configs(q, k, v, dlse, args: AttnArgs) -> tuple:
+def configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple:
     """(preprocess, main, postprocess) configurations for a validated call."""
     from ..kernels.sm80 import bwd_config
 
     dtype = _DTYPE_NAMES[q.dtype]
     varlen_q = args.cu_seqlens_q is not None
-    main = bwd_config.make_config(dtype, q.shape[-1], v.shape[-1], **kernel_flags(args))
+    main = bwd_config.make_config(dtype, q.shape[-1], v.shape[-1], deterministic=deterministic, **kernel_flags(args))
     pre = bwd_config.make_pre_config(dtype, v.shape[-1], varlen_q=varlen_q, has_dlse=dlse is not None)
     post = bwd_config.make_post_config(dtype, q.shape[-1], varlen_q=varlen_q)
     return pre, main, post
@@ -55,14 +56,9 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
     """Write dq, dk, dv in place (see the module docstring)."""
     from ..kernels.common.softmax import softmax_constants
 
-    if deterministic:
-        raise NotImplementedError(
-            f"deterministic backward is not implemented by backend {backend.name!r}: it adds dQ with fp32 "
-            "atomics, whose order varies run to run (use deterministic=False, or backend='triton')"
-        )
     if args.page_table is not None:
         raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
-    pre, main, post = configs(q, k, v, dlse, args)  # raises for head dims the kernel lacks
+    pre, main, post = configs(q, k, v, dlse, args, deterministic)  # raises for head dims the kernel lacks
 
     varlen_q = args.cu_seqlens_q is not None
     num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
@@ -84,6 +80,9 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
     lse_log2 = torch.empty_like(lse)
     delta = torch.empty_like(lse)
     dq_accum = torch.zeros(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)
+    # deterministic: one turn counter per (batch, head, query block)
+    dq_sem = (torch.zeros(num_batch, q.shape[-2], -(-max_seqlen_q // main.tile_m), dtype=torch.int32, device=q.device)
+              if deterministic else None)
 
     arch = backend.arch(q.device)
     fn_pre, _ = kernel_cache().get(pre, arch)
@@ -100,7 +99,7 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
         fn_main(
             a.tensor(q, 16), a.tensor(k, 16), a.tensor(v, 16), a.tensor(dout, 16), a.tensor(lse_log2, 4),
             a.tensor(delta, 4), a.tensor(dq_accum, 16), a.tensor(dk, 16), a.tensor(dv, 16), cu_q, cu_k, used_k,
-            a.i32(num_batch), a.i32(max_seqlen_k), a.f32(args.softmax_scale), a.f32(scale_log2),
+            a.tensor(dq_sem, 4), a.i32(num_batch), a.i32(max_seqlen_k), a.f32(args.softmax_scale), a.f32(scale_log2),
             a.f32(softcap_prescale), a.i32(args.window_left), a.i32(args.window_right), *a.stream(),
         )
         fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),

@@ -69,6 +69,7 @@ class FlashBwdSm80:
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        mdQsem: Optional[cute.Tensor],  # int32 (b, h, query blocks) of zeros with `deterministic`
         num_batch: Int32,
         max_seqlen_k: Int32,
         softmax_scale: Float32,
@@ -111,7 +112,7 @@ class FlashBwdSm80:
         num_n_blocks = (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n
         num_heads_k = mK.shape[2] if cutlass.const_expr(not cfg.varlen_k) else mK.shape[1]
         self.kernel(
-            mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+            mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdQsem,
             softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
             gmem_copy_QK, gmem_copy_VdO, tiled_mma, tiled_mma_dq, SharedStorage,
@@ -140,6 +141,7 @@ class FlashBwdSm80:
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        mdQsem: Optional[cute.Tensor],
         softmax_scale: Float32,
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
@@ -162,7 +164,7 @@ class FlashBwdSm80:
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         if n_block * cfg.tile_n < seqlen.seqlen_k:
             self.key_block(
-                mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, seqlen, n_block, head_k, batch, tidx,
+                mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, seqlen, n_block, head_k, batch, tidx,
                 softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
                 sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                 gmem_copy_QK, gmem_copy_VdO, tiled_mma, tiled_mma_dq, SharedStorage,
@@ -171,7 +173,7 @@ class FlashBwdSm80:
     @cute.jit
     def key_block(
         self,
-        mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, seqlen: SeqlenInfo, n_block, head_k, batch, tidx,
+        mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, seqlen: SeqlenInfo, n_block, head_k, batch, tidx,
         softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
         sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
         gmem_copy_QK, gmem_copy_VdO, tiled_mma, tiled_mma_dq, SharedStorage: cutlass.Constexpr,
@@ -362,10 +364,25 @@ class FlashBwdSm80:
             gdQ = cute.local_tile(seqlen.q_rows(mdQaccum, batch, head), (cfg.tile_m, cfg.head_dim), (m_block, 0))
             tdQgdQ = thr_mma_dq.partition_C(gdQ)
             tdQcdQ = thr_mma_dq.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
+            sem_ptr, turn = None, None
+            if cutlass.const_expr(cfg.deterministic):
+                # this CTA's turn at the query block: the key blocks that see it add in order
+                sem_ptr = self.elem_pointer(mdQsem, (batch, head, m_block))
+                turn = n_block - self.first_key_block(m_block, offset, left)
+                if tidx == 0:
+                    while cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu") != turn:
+                        pass
+                cute.arch.barrier()
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                 if tdQcdQ[i][0] < rows_q:
                     cute.arch.red(self.elem_pointer(tdQgdQ, i), acc_dQ[i], op="add", dtype="f32",
                                   sem="relaxed", scope="gpu")
+            if cutlass.const_expr(cfg.deterministic):
+                # every thread's additions are visible before the next key block's turn
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier()
+                if tidx == 0:
+                    cute.arch.store(sem_ptr, Int32(turn + 1), sem="release", scope="gpu")
 
         # ---- epilogue: dK (scaled) and dV in the input dtype ----
         cute.arch.cp_async_wait_group(0)  # K and V land even when no query block sees them
@@ -378,6 +395,20 @@ class FlashBwdSm80:
     @staticmethod
     def elem_pointer(t: cute.Tensor, i):
         return t.iterator + cute.crd2idx(i, t.layout)
+
+    @cute.jit
+    def first_key_block(self, m_block, offset, left):
+        """The first key block that adds into query block `m_block`: 0, or with a sliding window
+        the first whose last key is still inside the window of the block's first row (the
+        blocks that see a query block are consecutive, and each CTA walks its query blocks in
+        ascending order, so waiting for the previous key block never waits on a later one)."""
+        first = Int32(0)
+        if cutlass.const_expr(self.cfg.local):
+            # block n reaches query block m iff its last row (n + 1) * tile_n - 1 - offset + left
+            # is >= m * tile_m
+            need = cutlass.max(m_block * self.cfg.tile_m + 1 + offset - left, 0)
+            first = cutlass.max((need + self.cfg.tile_n - 1) // self.cfg.tile_n - 1, 0)
+        return first
 
     @cute.jit
     def store_rows(self, acc, mX, seqlen: SeqlenInfo, batch, head_k, n_block, tile_d: cutlass.Constexpr, d,

@@ -69,6 +69,9 @@ class Sm80BwdConfig:
     varlen_q: bool = False
     varlen_k: bool = False
     seqused_k: bool = False
+    # dQ added in key-block order, one CTA at a time per query block (a semaphore per
+    # (batch, head, query block)), so that its fp32 sums are the same on every run
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -95,6 +98,8 @@ class Sm80BwdConfig:
     @property
     def name(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k") if getattr(self, f)]
+        if self.deterministic:
+            flags.append("det")
         if self.check_hdim:
             flags.append("padded")
         if self.check_hdim_v:
@@ -187,6 +192,8 @@ def shipped_configs() -> list:
         replace(base, local=True, softcap=True),
         replace(base, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("float16", 128, 64, causal=True),
+        replace(base, causal=True, deterministic=True),
+        make_config("float16", 64, 64, local=True, varlen_q=True, varlen_k=True, deterministic=True),
         make_pre_config("bfloat16", 128, varlen_q=False, has_dlse=False),
         make_pre_config("float16", 96, varlen_q=True, has_dlse=True),
         make_post_config("bfloat16", 128, varlen_q=False),
@@ -224,6 +231,7 @@ def fake_arguments(config: Sm80BwdConfig) -> tuple:
         fake_int_vector() if config.varlen_q else None,
         fake_int_vector() if config.varlen_k else None,
         fake_int_vector() if config.seqused_k else None,
+        fake_tensor(cutlass.Int32, 3) if config.deterministic else None,  # dq_semaphore
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_k
         cutlass.Float32(1.0),  # softmax_scale
