@@ -402,8 +402,13 @@ class CuteSm90Backend(_CuteBackend):
     unverified = frozenset({"paged_kv", "split_kv"})
     verified_headdims = frozenset({64, 96, 128, 192, 256})
 
+    # One-token GQA decode on the sm_80 kernels too, which split the keys and pack the query heads
+    # of a KV group (the sm_90 kernel does neither); on once measured against the sm_90 kernel.
+    decode_on_sm80_kernels: bool = False
+
     def fwd(self, q, k, v, out, lse, args: AttnArgs, workspace: Optional[tuple] = None) -> None:
-        if args.page_table is not None or args.num_splits > 1:
+        if (args.page_table is not None or args.num_splits > 1
+                or (self.decode_on_sm80_kernels and pack_gqa.packable(q, k, args))):
             from . import get_backend
 
             return get_backend("cute-sm80").fwd(q, k, v, out, lse, args, workspace)

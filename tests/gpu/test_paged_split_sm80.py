@@ -245,6 +245,19 @@ def test_decode_with_packed_gqa(d, nheads, nheads_k, page_size, num_splits):
     out_unpacked, lse_unpacked = _check(q, k, v, args, backend=backend)
     scale = max(1.0, out_unpacked.abs().max().item())
     assert (out.float() - out_unpacked.float()).abs().max().item() <= 2 * torch.finfo(q.dtype).eps * scale
+    if not page_size and d != 256:
+        # cute-sm90 handing one-token GQA decode to these kernels (packed, split)
+        from cute_flash.backends import get_backend
+        from cute_flash.backends.cute import CuteSm90Backend
+
+        sm90 = backend_or_skip(CuteSm90Backend)
+        sm90.decode_on_sm80_kernels = True
+        sm80 = get_backend("cute-sm80")  # the instance cute-sm90 hands its calls to
+        sm80.pack_gqa_decode = True
+        try:
+            _check(q, k, v, args, backend=sm90)
+        finally:
+            sm80.pack_gqa_decode = False
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 4])
