@@ -41,6 +41,7 @@ from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import smem_layout_tile, smem_layout_transposed, swizzle_params
 from ..common.utils import acc_as_operand_a, acc_mn_view, col_predicate, exp2f, make_g2s_copy, tanhf
 from .bwd_config import Sm80BwdConfig
+from .mma import gemm_rs, gemm_ss
 
 
 class FlashBwdSm80:
@@ -306,7 +307,7 @@ class FlashBwdSm80:
             # ---- S^T = K Q^T, P^T ----
             acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((cfg.tile_n, cfg.tile_m)), Float32)
             acc_S.fill(0.0)
-            self.gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, tSsK, tSsQ, smem_copy_A, smem_copy_B)
+            gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, tSsK, tSsQ, smem_copy_A, smem_copy_B)
             acc_S_mn = acc_mn_view(acc_S)
             if cutlass.const_expr(cfg.softcap):
                 # keep tanh in acc_S for the chain rule; P goes into its own fragment
@@ -334,12 +335,12 @@ class FlashBwdSm80:
             # ---- dP^T = V dO^T; dS^T = P^T (dP^T - D) ----
             acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((cfg.tile_n, cfg.tile_m)), Float32)
             acc_dP.fill(0.0)
-            self.gemm_ss(tiled_mma, acc_dP, tdPrV, tdPrdO, tdPsV, tdPsdO, smem_copy_A, smem_copy_B)
+            gemm_ss(tiled_mma, acc_dP, tdPrV, tdPrdO, tdPsV, tdPsdO, smem_copy_A, smem_copy_B)
 
             # ---- dV += P^T dO ----
             rP = cute.make_fragment_like(acc_P, self.dtype)
             rP.store(acc_P.load().to(self.dtype))
-            self.gemm_rs(tiled_mma, acc_dV, acc_as_operand_a(rP), tdVrdOt, tdVsdOt, smem_copy_Bt)
+            gemm_rs(tiled_mma, acc_dV, acc_as_operand_a(rP), tdVrdOt, tdVsdOt, smem_copy_Bt)
 
             acc_dP_mn = acc_mn_view(acc_dP)
             for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
@@ -353,14 +354,14 @@ class FlashBwdSm80:
             rdS.store(acc_dP.load().to(self.dtype))
 
             # ---- dK += dS^T Q ----
-            self.gemm_rs(tiled_mma, acc_dK, acc_as_operand_a(rdS), tdKrQt, tdKsQt, smem_copy_Bt)
+            gemm_rs(tiled_mma, acc_dK, acc_as_operand_a(rdS), tdKrQt, tdKsQt, smem_copy_Bt)
 
             # ---- dQ = dS K, added to the fp32 accumulator ----
             cute.copy(smem_copy_dS, smem_copy_dS.retile(rdS), tdSsdS)
             cute.arch.barrier()
             acc_dQ = cute.make_rmem_tensor(thr_mma_dq.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
             acc_dQ.fill(0.0)
-            self.gemm_ss(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt, smem_copy_dq_At, smem_copy_dq_Bt)
+            gemm_ss(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt, smem_copy_dq_At, smem_copy_dq_Bt)
             gdQ = cute.local_tile(seqlen.q_rows(mdQaccum, batch, head), (cfg.tile_m, cfg.head_dim), (m_block, 0))
             tdQgdQ = thr_mma_dq.partition_C(gdQ)
             tdQcdQ = thr_mma_dq.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
@@ -440,28 +441,3 @@ class FlashBwdSm80:
                     cute.copy(tiled_copy, tXgX[None, m, k], tXsX[None, m, k])
                 else:
                     tXsX[None, m, k].fill(0)
-
-    @staticmethod
-    def gemm_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B):
-        """acc += A B with both operands streamed from shared memory one k-slice ahead."""
-        tCrA_view = smem_copy_A.retile(tCrA)
-        tCrB_view = smem_copy_B.retile(tCrB)
-        num_k = cute.size(tCsA, mode=[2])
-        cute.copy(smem_copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
-        cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
-        for k in range(num_k):
-            if k + 1 < num_k:
-                cute.copy(smem_copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
-                cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
-            cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-
-    @staticmethod
-    def gemm_rs(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
-        """acc += A B with A already in registers and B streamed from shared memory."""
-        tCrB_view = smem_copy_B.retile(tCrB)
-        num_k = cute.size(tCrA, mode=[2])
-        cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
-        for k in range(num_k):
-            if k + 1 < num_k:
-                cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
-            cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)

@@ -54,6 +54,7 @@ from ..common.utils import (
     tanhf,
 )
 from .fwd_config import Sm80FwdConfig
+from .mma import gemm_rs, gemm_ss
 
 
 class FlashFwdSm80:
@@ -377,7 +378,7 @@ class FlashFwdSm80:
 
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
         acc_S.fill(0.0)
-        self.gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, self.stage_of(tSsK, stage), smem_copy_Q, smem_copy_K)
+        gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, self.stage_of(tSsK, stage), smem_copy_Q, smem_copy_K)
 
         if cutlass.const_expr(cfg.softcap):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
@@ -405,7 +406,7 @@ class FlashFwdSm80:
                 load_K(n_block - 2, stage, None)
             cute.arch.cp_async_commit_group()
 
-        self.gemm_rs(tiled_mma, acc_O, acc_as_operand_a(rP), tOrVt, self.stage_of(tOsVt, stage), smem_copy_V)
+        gemm_rs(tiled_mma, acc_O, acc_as_operand_a(rP), tOrVt, self.stage_of(tOsVt, stage), smem_copy_V)
 
     @cute.jit
     def load_tile(
@@ -443,31 +444,6 @@ class FlashFwdSm80:
         if cutlass.const_expr(self.cfg.num_stages == 1):
             return t
         return t[(None,) * (cute.rank(t) - 1) + (stage,)]
-
-    @staticmethod
-    def gemm_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B):
-        """acc += A B with both operands streamed from shared memory one k-slice ahead."""
-        tCrA_view = smem_copy_A.retile(tCrA)
-        tCrB_view = smem_copy_B.retile(tCrB)
-        num_k = cute.size(tCsA, mode=[2])
-        cute.copy(smem_copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
-        cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
-        for k in range(num_k):
-            if k + 1 < num_k:
-                cute.copy(smem_copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
-                cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
-            cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-
-    @staticmethod
-    def gemm_rs(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
-        """acc += A B with A already in registers and B streamed from shared memory."""
-        tCrB_view = smem_copy_B.retile(tCrB)
-        num_k = cute.size(tCrA, mode=[2])
-        cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
-        for k in range(num_k):
-            if k + 1 < num_k:
-                cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
-            cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
     @staticmethod
     def split_slot(t: cute.Tensor, split) -> cute.Tensor:
