@@ -46,8 +46,21 @@ class OnlineSoftmax:
     @cute.jit
     def step(self, acc_S: cute.Tensor, acc_O: cute.Tensor, is_first: cutlass.Constexpr[bool]):
         """Turn acc_S into probabilities (in place) and rescale acc_O for the new row maxima."""
+        correction = cute.make_rmem_tensor(cute.size(self.row_max), Float32)
+        self.probs(acc_S, correction, is_first)
+        if cutlass.const_expr(not is_first):
+            self.rescale_O(acc_O, correction)
+
+    @cute.jit
+    def probs(self, acc_S: cute.Tensor, correction: cute.Tensor, is_first: cutlass.Constexpr[bool]):
+        """acc_S -> probabilities in place; `correction[r]` is the factor that rescales row r of
+        O for the new maxima (left untouched on the first block, when O holds nothing yet).
+
+        Split from the rescale for WGMMA pipelines: on sm_90 the P·V GEMM of the previous key
+        block may still be running on acc_O when the new maxima are known, and the registers of
+        an in-flight WGMMA must not be touched, so `rescale_O` runs once that GEMM is waited for.
+        """
         acc_S_mn = acc_mn_view(acc_S)
-        acc_O_mn = acc_mn_view(acc_O)
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             row = acc_S_mn[r, None].load()
             new_max = quad_allreduce(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), fmax)
@@ -64,11 +77,19 @@ class OnlineSoftmax:
             if cutlass.const_expr(is_first):
                 self.row_sum[r] = row_sum
             else:
-                correction = rescale_factor(prev_max, ref_max, self.scale_log2)
-                self.row_sum[r] = self.row_sum[r] * correction + row_sum
-                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                    acc_O_mn[r, c] = acc_O_mn[r, c] * correction
+                factor = rescale_factor(prev_max, ref_max, self.scale_log2)
+                self.row_sum[r] = self.row_sum[r] * factor + row_sum
+                correction[r] = factor
             self.row_max[r] = new_max
+
+    @staticmethod
+    @cute.jit
+    def rescale_O(acc_O: cute.Tensor, correction: cute.Tensor):
+        """Multiply row r of acc_O (mma.sync form) by correction[r]."""
+        acc_O_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * correction[r]
 
     @cute.jit
     def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):

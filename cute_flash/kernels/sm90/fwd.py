@@ -46,9 +46,9 @@ from ..common.block_info import BlockInfo
 from ..common.mask import AttentionMask
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
+from ..common.softmax import OnlineSoftmax
 from ..common.utils import acc_mn_view, col_predicate, tanhf
 from .fwd_config import Sm90FwdConfig
-from .softmax import DeferredRescaleSoftmax
 from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
 
 # Named barriers (0 is __syncthreads): the consumers' epilogue, then one per consumer
@@ -338,7 +338,7 @@ class FlashFwdSm90:
         # thread 0's coordinates: compile-time constants for the mask's comparisons
         t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_qk.get_slice(0).partition_C(cS)))
         num_rows = cute.size(tScS_mn, mode=[0])
-        softmax = DeferredRescaleSoftmax.create(softmax_scale_log2, num_rows)
+        softmax = OnlineSoftmax.create(softmax_scale_log2, num_rows)
         correction = cute.make_rmem_tensor(num_rows, Float32)
 
         if cutlass.const_expr(cfg.pingpong):
@@ -394,7 +394,7 @@ class FlashFwdSm90:
     def attend_block(
         self, kv, n_block, mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr, wg_idx,
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v,
-        softmax: DeferredRescaleSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
+        softmax: OnlineSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
         softcap_prescale,
     ):
         """One key block n; `kv` is the ring slot to read next, the returned one the slot after.
@@ -471,7 +471,7 @@ class FlashFwdSm90:
     def scores_to_probs(
         self, acc_S, n_block, is_first: cutlass.Constexpr, mask_seqlen: cutlass.Constexpr,
         mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr,
-        softmax: DeferredRescaleSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
+        softmax: OnlineSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
         softcap_prescale,
     ):
         """Soft-cap, mask and exponentiate S in place (fp32), leaving O's correction factors."""
@@ -488,7 +488,7 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def epilogue(
-        self, acc_O, softmax: DeferredRescaleSoftmax, mO, mLSE, tma_O, tma_mO, sO,
+        self, acc_O, softmax: OnlineSoftmax, mO, mLSE, tma_O, tma_mO, sO,
         seqlen: SeqlenInfo, tiled_mma_pv, thr_mma_pv, ctidx, warp_idx, m_block, head, batch,
     ):
         cfg = self.cfg
