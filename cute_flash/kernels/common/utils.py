@@ -140,3 +140,29 @@ def col_predicate(tXcX: cute.Tensor, limit) -> cute.Tensor:
         for k in range(pred.shape[2]):
             pred[v, 0, k] = cute.elem_less(tXcX[(0, v), 0, k][1], limit)
     return pred
+
+
+@cute.jit
+def cp_async_tile(tiled_copy: cute.TiledCopy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor,
+                  tXpD, rows):
+    """cp.async one tile; rows past `rows` and columns the predicate `tXpD` rules out are
+    zero-filled. `rows` None: the tile is full; `tXpD` None: every column is valid.
+
+    Zero-filling (instead of skipping) keeps stale shared memory from ever reaching an MMA:
+    a NaN left in a V row would survive P = 0 as 0 * NaN.
+    """
+    if cutlass.const_expr(rows is None and tXpD is None):
+        cute.copy(tiled_copy, tXgX, tXsX)
+    else:
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                if cutlass.const_expr(rows is None):
+                    ok = tXpD[0, 0, k]
+                elif cutlass.const_expr(tXpD is None):
+                    ok = tXcX[0, m, 0][0] < rows
+                else:
+                    ok = (tXcX[0, m, 0][0] < rows) & tXpD[0, 0, k]
+                if ok:
+                    cute.copy(tiled_copy, tXgX[None, m, k], tXsX[None, m, k])
+                else:
+                    tXsX[None, m, k].fill(0)

@@ -39,7 +39,15 @@ from cutlass.cute.nvgpu import warp
 
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import smem_layout_tile, smem_layout_transposed, swizzle_params
-from ..common.utils import acc_as_operand_a, acc_mn_view, col_predicate, exp2f, make_g2s_copy, tanhf
+from ..common.utils import (
+    acc_as_operand_a,
+    acc_mn_view,
+    col_predicate,
+    cp_async_tile,
+    exp2f,
+    make_g2s_copy,
+    tanhf,
+)
 from .bwd_config import Sm80BwdConfig
 from .mma import gemm_rs, gemm_ss
 
@@ -214,8 +222,8 @@ class FlashBwdSm80:
         tQKpD = col_predicate(tKcK, headdim) if cutlass.const_expr(cfg.check_hdim) else None
         tVpD = col_predicate(tVcV, headdim_v) if cutlass.const_expr(cfg.check_hdim_v) else None
         k_rows = seqlen.seqlen_k - n_block * cfg.tile_n
-        self.load_tile(gmem_copy_QK, thr_copy_QK.partition_S(gK), thr_copy_QK.partition_D(sK), tKcK, tQKpD, k_rows)
-        self.load_tile(gmem_copy_VdO, thr_copy_VdO.partition_S(gV), thr_copy_VdO.partition_D(sV), tVcV, tVpD, k_rows)
+        cp_async_tile(gmem_copy_QK, thr_copy_QK.partition_S(gK), thr_copy_QK.partition_D(sK), tKcK, tQKpD, k_rows)
+        cp_async_tile(gmem_copy_VdO, thr_copy_VdO.partition_S(gV), thr_copy_VdO.partition_D(sV), tVcV, tVpD, k_rows)
         cute.arch.cp_async_commit_group()
 
         # ---- MMA partitions ----
@@ -288,8 +296,8 @@ class FlashBwdSm80:
             cute.arch.barrier()
             gQ = cute.local_tile(seqlen.q_rows(mQ, batch, head), (cfg.tile_m, cfg.head_dim), (m_block, 0))
             gdO = cute.local_tile(seqlen.q_rows(mdO, batch, head), (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
-            self.load_tile(gmem_copy_QK, thr_copy_QK.partition_S(gQ), thr_copy_QK.partition_D(sQ), tQcQ, tQKpD, rows_q)
-            self.load_tile(gmem_copy_VdO, thr_copy_VdO.partition_S(gdO), thr_copy_VdO.partition_D(sdO), tdOcdO, tVpD,
+            cp_async_tile(gmem_copy_QK, thr_copy_QK.partition_S(gQ), thr_copy_QK.partition_D(sQ), tQcQ, tQKpD, rows_q)
+            cp_async_tile(gmem_copy_VdO, thr_copy_VdO.partition_S(gdO), thr_copy_VdO.partition_D(sdO), tdOcdO, tVpD,
                            rows_q)
             cute.arch.cp_async_commit_group()
             if tidx < cfg.tile_m:
@@ -428,16 +436,3 @@ class FlashBwdSm80:
                 ok = ok & (tXcX[i][1] < d)
             if ok:
                 tXgX[i] = r[i]
-
-    @cute.jit
-    def load_tile(self, tiled_copy, tXgX, tXsX, tXcX, tXpD, rows):
-        """cp.async one tile; rows past `rows` and columns past the head dim are zero-filled."""
-        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-            for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-                ok = tXcX[0, m, 0][0] < rows
-                if cutlass.const_expr(tXpD is not None):
-                    ok = ok & tXpD[0, 0, k]
-                if ok:
-                    cute.copy(tiled_copy, tXgX[None, m, k], tXsX[None, m, k])
-                else:
-                    tXsX[None, m, k].fill(0)

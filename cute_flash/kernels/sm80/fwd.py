@@ -49,6 +49,7 @@ from ..common.utils import (
     acc_as_operand_a,
     acc_mn_view,
     col_predicate,
+    cp_async_tile,
     make_g2s_copy,
     make_s2g_copy,
     tanhf,
@@ -296,17 +297,17 @@ class FlashFwdSm80:
                 gmem_copy_V, mV, head_k, n, self.stage_of(tVsV, stage), tVcV, tVpD, tidx, cfg.head_dim_v
             )
         else:
-            load_K = lambda n, stage, rows: self.load_tile(  # noqa: E731
+            load_K = lambda n, stage, rows: cp_async_tile(  # noqa: E731
                 gmem_copy_QK, tKgK[None, None, None, n], self.stage_of(tKsK, stage), tKcK, tQKpD, rows
             )
-            load_V = lambda n, stage, rows: self.load_tile(  # noqa: E731
+            load_V = lambda n, stage, rows: cp_async_tile(  # noqa: E731
                 gmem_copy_V, tVgV[None, None, None, n], self.stage_of(tVsV, stage), tVcV, tVpD, rows
             )
 
         if n_block_max > n_block_min:
             # ---- prologue: Q, K[last] and, with two stages, V[last] and K[last - 1] ----
             n_last = n_block_max - 1
-            self.load_tile(gmem_copy_QK, tQgQ, tQsQ, tQcQ, tQKpD, seqlen.seqlen_q - m_block * cfg.tile_m)
+            cp_async_tile(gmem_copy_QK, tQgQ, tQsQ, tQcQ, tQKpD, seqlen.seqlen_q - m_block * cfg.tile_m)
             cute.arch.cp_async_commit_group()
             load_K(n_last, 0, k_rows_left)
             cute.arch.cp_async_commit_group()
@@ -407,37 +408,6 @@ class FlashFwdSm80:
             cute.arch.cp_async_commit_group()
 
         gemm_rs(tiled_mma, acc_O, acc_as_operand_a(rP), tOrVt, self.stage_of(tOsVt, stage), smem_copy_V)
-
-    @cute.jit
-    def load_tile(
-        self,
-        tiled_copy: cute.TiledCopy,
-        tXgX: cute.Tensor,
-        tXsX: cute.Tensor,
-        tXcX: cute.Tensor,
-        tXpD: Optional[cute.Tensor],
-        rows,  # number of valid rows in this tile, or None when the tile is full
-    ):
-        """cp.async one tile; rows past `rows` and columns past the head dim are zero-filled.
-
-        Zero-filling (instead of skipping) keeps stale shared memory from ever reaching an MMA:
-        a NaN left in a V row would survive P = 0 as 0 * NaN.
-        """
-        if cutlass.const_expr(rows is None and tXpD is None):
-            cute.copy(tiled_copy, tXgX, tXsX)
-        else:
-            for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-                for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-                    if cutlass.const_expr(rows is None):
-                        ok = tXpD[0, 0, k]
-                    elif cutlass.const_expr(tXpD is None):
-                        ok = tXcX[0, m, 0][0] < rows
-                    else:
-                        ok = (tXcX[0, m, 0][0] < rows) & tXpD[0, 0, k]
-                    if ok:
-                        cute.copy(tiled_copy, tXgX[None, m, k], tXsX[None, m, k])
-                    else:
-                        tXsX[None, m, k].fill(0)
 
     def stage_of(self, t: cute.Tensor, stage) -> cute.Tensor:
         """Slot `stage` of a K/V ring (its last mode); a one-stage ring has no stage mode."""
