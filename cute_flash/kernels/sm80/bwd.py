@@ -196,7 +196,7 @@ class FlashBwdSm80:
         headdim_v = mV.shape[3] if cutlass.const_expr(not cfg.varlen_k) else mV.shape[2]
 
         # ---- shared memory (and the transposed views the MMAs read through ldmatrix.trans) ----
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sdO = storage.sdO.get_tensor(sdO_layout)
         sK = storage.sK.get_tensor(sK_layout)

@@ -195,7 +195,7 @@ class FlashFwdSm90:
                 if cutlass.const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # one arrive per consumer warp (lane 0 signals the empty barrier)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
