@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ..common.fake_tensors import element_type, fake_int_vector, fake_stream, fake_tensor, fake_tokens
-from ..common.tiles import pad_headdim
+from ..common.tiles import check_attention_config, pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128)
 DTYPES = ("float16", "bfloat16")
@@ -74,13 +74,7 @@ class Sm80BwdConfig:
     deterministic: bool = False
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
-        for name in ("head_dim", "head_dim_v"):
-            if getattr(self, name) not in TILE_HEADDIMS:
-                raise ValueError(f"{name} must be one of {TILE_HEADDIMS}; got {getattr(self, name)}")
-        if self.causal and self.local:
-            raise ValueError("causal and local exclude each other (causal is the window (-1, 0))")
+        check_attention_config(self, DTYPES, TILE_HEADDIMS)
         if self.tile_n != 16 * self.num_warps:
             raise ValueError(f"tile_n must be 16 per warp; got {self.tile_n} for {self.num_warps} warps")
         if self.num_warps % self.dq_warps_m or self.tile_m % (16 * self.dq_warps_m):

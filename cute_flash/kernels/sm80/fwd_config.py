@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ..common.tiles import pad_headdim
+from ..common.tiles import check_attention_config, pad_headdim
 
 # Head dims with a tile of their own; any other multiple of 8 runs in the next one up, its
 # padding columns zero-filled on load and never stored.
@@ -75,13 +75,7 @@ class Sm80FwdConfig:
     min_ctas_per_sm: int = 0
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
-        for name in ("head_dim", "head_dim_v"):
-            if getattr(self, name) not in TILE_HEADDIMS:
-                raise ValueError(f"{name} must be one of {TILE_HEADDIMS}; got {getattr(self, name)}")
-        if self.causal and self.local:
-            raise ValueError("causal and local exclude each other (causal is the window (-1, 0))")
+        check_attention_config(self, DTYPES, TILE_HEADDIMS)
         if self.paged_kv and self.varlen_k:
             raise ValueError("paged_kv and varlen_k exclude each other (a paged cache has no cu_seqlens_k)")
         if self.num_stages not in (1, 2):

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ..common.tiles import pad_headdim
+from ..common.tiles import check_attention_config, pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128, 192, 256)
 DTYPES = ("float16", "bfloat16")
@@ -79,13 +79,7 @@ class Sm90FwdConfig:
     has_lse: bool = True
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
-        for name in ("head_dim", "head_dim_v"):
-            if getattr(self, name) not in TILE_HEADDIMS:
-                raise ValueError(f"{name} must be one of {TILE_HEADDIMS}; got {getattr(self, name)}")
-        if self.causal and self.local:
-            raise ValueError("causal and local exclude each other (causal is the window (-1, 0))")
+        check_attention_config(self, DTYPES, TILE_HEADDIMS)
         if self.tile_m != 64 * self.num_consumer_wgs:
             raise ValueError(f"tile_m must be 64 per consumer warpgroup; got {self.tile_m} for {self.num_consumer_wgs}")
         if self.num_consumer_wgs not in REGISTERS:
