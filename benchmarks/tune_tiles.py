@@ -12,7 +12,7 @@ alone. The shipped tile is always measured too, as the baseline.
 `--compile-only` runs the audit of `cute_flash.audit` on each candidate (no GPU needed) and
 prints registers, spill bytes and shared memory: a candidate that spills is not worth timing.
 Without it, on a GPU, each candidate is first checked against the float32 reference on a small
-problem with odd lengths (a wrong kernel is reported and not timed), then timed with
+problem with odd lengths, by the benchmark's tolerance rule (a wrong kernel is reported and not timed), then timed with
 `triton.testing.do_bench` on batch x seqlen x heads (default 2 x 8192 x 16, head dim from
 --head-dim), next to flash-attn-4 when it is importable.
 """
@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 _SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(-nopp)?$")
 
@@ -91,6 +92,7 @@ def on_gpu(args, configs) -> None:
     import torch
     from triton.testing import do_bench
 
+    from bench_lib import within_tolerance
     from cute_flash.backends import get_backend
     from cute_flash.backends.base import AttnArgs
     from cute_flash.backends.reference import reference_attention
@@ -119,7 +121,6 @@ def on_gpu(args, configs) -> None:
     small = inputs(2, 333, 1001, 2)
     ref, _ = reference_attention(*small, attn_args(333, 1001))
     ref_torch, _ = reference_attention(*small, attn_args(333, 1001), compute_dtype=dtype)
-    bound = 2 * (ref_torch.float() - ref).abs().max().item() + 2 ** -8
     b, s, h = args.batch, args.seqlen, args.heads
     big = inputs(b, s, s, h)
     flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
@@ -135,8 +136,8 @@ def on_gpu(args, configs) -> None:
             lse = torch.full((2, 2, 333), math.nan, device="cuda")
             run(*small, out, lse, attn_args(333, 1001))
             torch.cuda.synchronize()
-            err = (out.float() - ref).abs().max().item()
-            if not err <= bound:
+            passed, err, bound = within_tolerance(out, ref, ref_torch, dtype)
+            if not passed:
                 print(f"{label:<20} WRONG: max error {err:.3g} > {bound:.3g}")
                 continue
             o = torch.empty_like(big[0])
