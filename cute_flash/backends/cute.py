@@ -381,7 +381,11 @@ class CuteSm80Backend(_CuteBackend):
     # tests/gpu/test_paged_split_sm80.py and tests/gpu/test_bwd_sm80.py.
     features = _CuteBackend.features | {"paged_kv", "split_kv", "backward"}
     inference_kernels = True
-    combine_cache = KernelCache("cute_flash.kernels.combine_config", (".", "common", "sm80"))
+
+    def __init__(self):
+        super().__init__()
+        # built with the backend, not at import: a cache reads CUTE_FLASH_TVM_FFI when it is made
+        self.combine_cache = KernelCache("cute_flash.kernels.combine_config", (".", "common", "sm80"))
 
     def _gpu_reason(self) -> Optional[str]:
         major, _ = torch.cuda.get_device_capability()
