@@ -1,6 +1,7 @@
-"""The opt-in TVM-FFI launch path (`CUTE_FLASH_TVM_FFI=1`) on the CPU: every kernel kind compiles
-with `--enable-tvm-ffi`, goes to the disk cache and comes back as a TVM-FFI function; the launch
-arguments take their TVM-FFI form. Launching needs a GPU (tests/gpu, with the variable set)."""
+"""The TVM-FFI launch path (the default when apache-tvm-ffi is importable) on the CPU: every kernel
+kind compiles with `--enable-tvm-ffi`, goes to the disk cache and comes back as a TVM-FFI
+function; the launch arguments take their TVM-FFI form. Launching needs a GPU (tests/gpu run
+on whichever path the environment selects)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 from cute_flash.backends import cute  # noqa: E402
 
 
-def test_off_unless_asked(monkeypatch):
+def test_on_when_importable_unless_switched_off(monkeypatch):
+    pytest.importorskip("tvm_ffi")
     monkeypatch.delenv("CUTE_FLASH_TVM_FFI", raising=False)
-    assert not cute.tvm_ffi_requested()
-    monkeypatch.setenv("CUTE_FLASH_TVM_FFI", "0")
-    assert not cute.tvm_ffi_requested()
+    assert cute.tvm_ffi_requested()
+    monkeypatch.setenv("CUTE_FLASH_TVM_FFI", "1")
+    assert cute.tvm_ffi_requested()
+    for off in ("0", "false", "off"):
+        monkeypatch.setenv("CUTE_FLASH_TVM_FFI", off)
+        assert not cute.tvm_ffi_requested()
 
 
-def test_asking_without_the_package_says_what_is_missing(monkeypatch):
+def _without_tvm_ffi(monkeypatch):
     import builtins
 
     real_import = builtins.__import__
@@ -31,8 +36,18 @@ def test_asking_without_the_package_says_what_is_missing(monkeypatch):
             raise ImportError("No module named 'tvm_ffi'")
         return real_import(name, *args, **kwargs)
 
-    monkeypatch.setenv("CUTE_FLASH_TVM_FFI", "1")
     monkeypatch.setattr(builtins, "__import__", no_tvm_ffi)
+
+
+def test_without_the_package_the_dsl_path_is_used(monkeypatch):
+    monkeypatch.delenv("CUTE_FLASH_TVM_FFI", raising=False)
+    _without_tvm_ffi(monkeypatch)
+    assert not cute.tvm_ffi_requested()
+
+
+def test_asking_without_the_package_says_what_is_missing(monkeypatch):
+    monkeypatch.setenv("CUTE_FLASH_TVM_FFI", "1")
+    _without_tvm_ffi(monkeypatch)
     with pytest.raises(RuntimeError, match="apache-tvm-ffi"):
         cute.tvm_ffi_requested()
 

@@ -1,6 +1,6 @@
 """The sm_80 backward kernels against the float64 oracle's gradients, on a GPU (`pytest -m gpu`).
 
-The backend's `bwd` is called directly (the API refuses the backward until these pass). Its
+The backend's `bwd` is called directly (and once through `cute_flash.attention` and autograd). Its
 inputs `out` and `lse` come from the reference forward, so a forward bug cannot hide or cause a
 backward failure; the oracle's gradients are computed from the same `out` and `lse`.
 Tolerance (DESIGN.md), per gradient: max|g - ref| <= 2 * max|g_torch - ref| + atol, with g_torch
@@ -26,10 +26,10 @@ SEQLEN_PAIRS = [(1, 1), (1, 300), (113, 203), (239, 1), (128, 128), (799, 3), (1
 DTYPES = [torch.float16, torch.bfloat16]
 
 
-def _backend():
+def _backend(cls=None):
     from cute_flash.backends.cute import CuteSm80Backend
 
-    return backend_or_skip(CuteSm80Backend)
+    return backend_or_skip(cls or CuteSm80Backend)
 
 
 def _transposed_dout(shape, dtype):
@@ -41,7 +41,7 @@ def _transposed_dout(shape, dtype):
     return torch.randn(h, t, d, dtype=dtype, device="cuda").transpose(0, 1)
 
 
-def _check(q, k, v, args: AttnArgs, with_dlse=False):
+def _check(q, k, v, args: AttnArgs, with_dlse=False, backend=None):
     ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
     out = ref_out.to(q.dtype)
     lse = ref_lse.float()
@@ -50,7 +50,7 @@ def _check(q, k, v, args: AttnArgs, with_dlse=False):
     dq = torch.full_like(q, float("nan"))
     dk = torch.full(k.shape, float("nan"), dtype=k.dtype, device="cuda")
     dv = torch.full(v.shape, float("nan"), dtype=v.dtype, device="cuda")
-    _backend().bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, args, False)
+    (backend or _backend()).bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, args, False)
     torch.cuda.synchronize()
     check_backward((dq, dk, dv), dout, dlse, q, k, v, out, lse, args)
     return dq, dk, dv
@@ -194,3 +194,24 @@ def test_bwd_deterministic_is_the_oracle_and_the_same_every_run(case):
     check_backward(runs[0], dout, None, q, k, v, out, lse, args)
     for again in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again)), "deterministic backward differs between runs"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_sm90_backend_runs_its_backward_on_these_kernels(causal):
+    """cute-sm90 hands its backward to these kernels: directly, and through autograd on
+    `cute_flash.attention` (forward on the sm_90 kernel, backward here)."""
+    import cute_flash
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    sm90 = _backend(CuteSm90Backend)
+    torch.manual_seed(11)
+    q = torch.randn(2, 333, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(2, 517, 2, 128, 128, torch.bfloat16)
+    args = _args(128, causal=causal, window_right=0 if causal else -1)
+    _check(q, k, v, args, backend=sm90)
+    qa, ka, va = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = cute_flash.attention(qa, ka, va, causal=causal, backend="cute-sm90")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    check_backward((qa.grad, ka.grad, va.grad), dout, None, q, k, v, ref_out.to(q.dtype), ref_lse.float(), args)
