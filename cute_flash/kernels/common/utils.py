@@ -101,6 +101,11 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, frg_a)
 
 
+def elem_pointer(t: cute.Tensor, i):
+    """Pointer to element `i` (flat index or coordinate) of `t`, for per-element atomics."""
+    return t.iterator + cute.crd2idx(i, t.layout)
+
+
 def make_g2s_copy(dtype, num_threads: int, atom_cols: int) -> cute.TiledCopy:
     """cp.async tiled copy, 128 bits per thread, rows of `atom_cols` elements per thread row.
 

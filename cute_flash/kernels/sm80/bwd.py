@@ -44,6 +44,7 @@ from ..common.utils import (
     acc_mn_view,
     col_predicate,
     cp_async_tile,
+    elem_pointer,
     exp2f,
     make_g2s_copy,
     tanhf,
@@ -376,7 +377,7 @@ class FlashBwdSm80:
             sem_ptr, turn = None, None
             if cutlass.const_expr(cfg.deterministic):
                 # this CTA's turn at the query block: the key blocks that see it add in order
-                sem_ptr = self.elem_pointer(mdQsem, (batch, head, m_block))
+                sem_ptr = elem_pointer(mdQsem, (batch, head, m_block))
                 turn = n_block - self.first_key_block(m_block, offset, left)
                 if tidx == 0:
                     while cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu") != turn:
@@ -384,7 +385,7 @@ class FlashBwdSm80:
                 cute.arch.barrier()
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                 if tdQcdQ[i][0] < rows_q:
-                    cute.arch.red(self.elem_pointer(tdQgdQ, i), acc_dQ[i], op="add", dtype="f32",
+                    cute.arch.red(elem_pointer(tdQgdQ, i), acc_dQ[i], op="add", dtype="f32",
                                   sem="relaxed", scope="gpu")
             if cutlass.const_expr(cfg.deterministic):
                 # every thread's additions are visible before the next key block's turn
@@ -400,10 +401,6 @@ class FlashBwdSm80:
         self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, headdim, cfg.check_hdim, thr_mma)
         self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, headdim_v, cfg.check_hdim_v,
                         thr_mma)
-
-    @staticmethod
-    def elem_pointer(t: cute.Tensor, i):
-        return t.iterator + cute.crd2idx(i, t.layout)
 
     @cute.jit
     def first_key_block(self, m_block, offset, left):

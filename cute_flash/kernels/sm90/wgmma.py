@@ -42,13 +42,22 @@ def gemm(
     tCrB: cute.Tensor,
     zero_init: cutlass.Constexpr[bool],
 ):
-    """Issue acc (+)= A B over every k block as one WGMMA group (commit, no wait).
+    """Issue acc (+)= A B over every k block as one WGMMA group (commit, no wait)."""
+    gemm_accumulate_if(tiled_mma, acc, tCrA, tCrB, not zero_init)
 
-    A fresh atom carries the ACCUMULATE flag, so flipping it here never touches the tiled MMA
-    shared by the caller's loops.
+
+@cute.jit
+def gemm_accumulate_if(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, accumulate):
+    """Issue acc = A B (+ acc where `accumulate`, which may be a run-time Boolean) over every k
+    block as one WGMMA group (commit, no wait).
+
+    A run-time flag lets an accumulator that lives across a loop start from its first GEMM
+    instead of a zero fill, whose constants the compiler may hoist ahead of the warp-role branch
+    and then hold (or spill) through the whole kernel. A fresh atom carries the ACCUMULATE
+    flag, so flipping it here never touches the tiled MMA shared by the caller's loops.
     """
     atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
     warpgroup.fence()
     for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
