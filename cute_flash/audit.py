@@ -48,6 +48,7 @@ KERNEL_MODULES = [
     "cute_flash.kernels.sm80.fwd_config",
     "cute_flash.kernels.sm90.fwd_config",
     "cute_flash.kernels.sm80.bwd_config",
+    "cute_flash.kernels.sm90.bwd_config",
     "cute_flash.kernels.combine_config",
 ]
 

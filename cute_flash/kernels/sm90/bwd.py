@@ -1,0 +1,590 @@
+"""FlashAttention backward for sm_90a: TMA + WGMMA, one producer warp and two consumer warpgroups.
+
+One CTA owns `tile_n` = 128 keys of one (KV head, batch) and keeps their dK and dV in fp32
+registers while it walks, for every query head of the GQA group in turn, the query blocks that
+see those keys (the same walk as the sm_80 kernel, `kernels/sm80/bwd.py`). The group's sum is
+formed in registers and dK/dV are written once, in the input dtype.
+
+1. Producer (warpgroup 0, which gives its registers away with `setmaxnreg`): its first warp
+   loads K and V once, then (Q, dO, LSE_log2, D) of each query block into a `num_stages`-deep
+   ring guarded by mbarriers (`PipelineTmaAsync`), all by TMA. TMA clips at the tensor bounds
+   and zero-fills, so nothing outside the tensors is ever read.
+2. Consumers (warpgroups 1 and 2, each owning 64 of the keys). Everything is computed
+   transposed (keys x queries), so that the probabilities come out of the WGMMA in the layout of
+   the register A operand of the key-side products and never touch shared memory:
+
+       S^T  = K Q^T                   (A = K, B = Q: shared memory, K-major)
+       dP^T = V dO^T                  (A = V, B = dO)
+       P^T  = exp2(S^T * scale_log2 - LSE_log2[query])       0 where masked
+       dV  += P^T dO                  (A = P^T from registers, B = dO^T: MN-major view of dO)
+       dS^T = P^T * (dP^T - D[query])  [* (1 - tanh^2) with soft-capping]
+       dK  += dS^T Q                  (A = dS^T from registers, B = Q^T)
+       dQ_w = dS[:, keys of w] K[keys of w, :]   (dS^T of the warpgroup staged in shared memory)
+
+   S^T and dP^T are issued together and P^T is computed while dP^T is in flight (with
+   soft-capping dP^T waits for P^T: tanh's values leave no room for it at head dim 128); dV is
+   waited for before dS^T is formed, and dK runs while dS^T goes to shared memory. 64 * (d + dv)
+   / 128 registers of dK and dV, the fp32 S^T and dP^T tiles and two 16-bit ones do not fit
+   next to more in flight (see `bwd_config.py`).
+   Each warpgroup multiplies only its own 64 rows of K, V and dS^T, so the two never wait for
+   each other: each adds its partial dQ (over its own keys) to the fp32 accumulator in global
+   memory with `red.add` (the preprocess kernel cleared it; the postprocess kernel scales and
+   rounds it). The softmax scale is applied once: to dK here and to dQ in the postprocess.
+   dK and dV start from their first query block's GEMMs, not from a zero fill: the compiler
+   would hoist the zeros above the warp-role branch and spill them there.
+3. Epilogue: dK (scaled) and dV rounded to the input dtype (RNE), stored row-predicated.
+
+Tails: a query block that reaches past seqlen_q, a key block that reaches past seqlen_k and the
+query blocks on a causal diagonal or window edge take the masked path, where P^T is set (not
+multiplied) to 0 for hidden (key, query) pairs, which makes dS^T 0 there too. The rows TMA loads
+past a sequence are zero-filled or belong to the next sequence of a varlen batch (finite), so
+dP^T stays finite and 0 * (dP^T - D) is 0. With `seqused_k` or varlen keys, the K and V rows past
+seqlen_k may hold anything (a stale cache: NaN, Inf): the consumers zero them in shared memory
+before the first GEMM, since dQ += dS K would turn 0 * NaN into NaN. dQ rows past seqlen_q and
+dK/dV rows past seqlen_k are not written. Key blocks no query block sees write dK = dV = 0.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+
+from ..common.seqlen_info import SeqlenInfo
+from ..common.smem_layouts import wgmma_smem_layout_tile
+from ..common.utils import acc_mn_view, elem_pointer, exp2f, tanhf
+from .bwd_config import NUM_CONSUMER_WGS, Sm90BwdConfig
+from .fwd import FlashFwdSm90, tma_view
+from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
+
+# Named barrier (0 is __syncthreads) of one consumer warpgroup, + its index: its own dS^T rows
+# (and K/V tail rows) are written before its WGMMAs read them.
+BARRIER_WG = 1
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """The (cols, rows[, stages]) view of a (rows, cols[, stages]) shared-memory tile: the
+    MN-major operand over the same bytes."""
+    order = [1, 0, 2] if cutlass.const_expr(cute.rank(t) == 3) else [1, 0]
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=order))
+
+
+def stats_view(mX: cute.Tensor, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
+    """LSE / D (b, h, s) -> (s, h, b), or varlen (h, total) -> (total, h): tokens first, for TMA."""
+    order = [1, 0] if cutlass.const_expr(varlen) else [2, 1, 0]
+    return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=order))
+
+
+class FlashBwdSm90:
+    """The sm_90 backward kernel for one `Sm90BwdConfig`."""
+
+    def __init__(self, config: Sm90BwdConfig):
+        self.cfg = config
+        self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+        self.num_consumer_threads = 128 * NUM_CONSUMER_WGS
+
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, sq, h, d) or varlen (total_q, h, d)
+        mK: cute.Tensor,  # (b, sk, hk, d) or varlen (total_k, hk, d)
+        mV: cute.Tensor,  # (b, sk, hk, dv) or varlen (total_k, hk, dv)
+        mdO: cute.Tensor,  # like mQ with dv
+        mLSE: cute.Tensor,  # float32 log2-space LSE (b, h, sq) or varlen (h, total_q); 16-byte strides
+        mD: cute.Tensor,  # float32 rowsum(dO * O) - dlse, like mLSE
+        mdQaccum: cute.Tensor,  # float32, like mQ with the padded tile head dim
+        mdK: cute.Tensor,  # like mK
+        mdV: cute.Tensor,  # like mV
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        num_batch: Int32,
+        max_seqlen_k: Int32,
+        softmax_scale: Float32,
+        softmax_scale_log2: Float32,  # scale * log2(e), or softcap * log2(e) with softcap
+        softcap_prescale: Float32,  # scale / softcap (unused without softcap)
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        sQ_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.head_dim, cfg.num_stages)
+        sdO_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.head_dim_v, cfg.num_stages)
+        sK_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim)
+        sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v)
+        sdS_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.tile_m)
+        sStat_layout = cute.make_layout((cfg.tile_m, cfg.num_stages))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_KV: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
+            load, tma_view(mQ, cfg.varlen_q), cute.select(sQ_layout, mode=[0, 1]), (cfg.tile_m, cfg.head_dim)
+        )
+        tma_dO, tma_mdO = cpasync.make_tiled_tma_atom(
+            load, tma_view(mdO, cfg.varlen_q), cute.select(sdO_layout, mode=[0, 1]), (cfg.tile_m, cfg.head_dim_v)
+        )
+        tma_K, tma_mK = cpasync.make_tiled_tma_atom(
+            load, tma_view(mK, cfg.varlen_k), sK_layout, (cfg.tile_n, cfg.head_dim)
+        )
+        tma_V, tma_mV = cpasync.make_tiled_tma_atom(
+            load, tma_view(mV, cfg.varlen_k), sV_layout, (cfg.tile_n, cfg.head_dim_v)
+        )
+        stat_tile = cute.select(sStat_layout, mode=[0])
+        tma_LSE, tma_mLSE = cpasync.make_tiled_tma_atom(load, stats_view(mLSE, cfg.varlen_q), stat_tile, (cfg.tile_m,))
+        tma_D, tma_mD = cpasync.make_tiled_tma_atom(load, stats_view(mD, cfg.varlen_q), stat_tile, (cfg.tile_m,))
+
+        K_major, MN_major = OperandMajorMode.K, OperandMajorMode.MN
+        wgs = (NUM_CONSUMER_WGS, 1, 1)  # each consumer warpgroup takes 64 of the keys
+        tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_major, K_major, Float32, wgs, (64, cfg.tile_m)
+        )
+        rmem = warpgroup.OperandSource.RMEM
+        tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim), a_source=rmem
+        )
+        tiled_mma_dV = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim_v), a_source=rmem
+        )
+        # one warpgroup's dQ partial: A = dS (MN-major view of dS^T), B = K^T (MN-major view of K)
+        tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN_major, MN_major, Float32, (1, 1, 1), (64, cfg.head_dim)
+        )
+
+        num_n_blocks = (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n
+        num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
+        self.kernel(
+            mQ, mK, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+            tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
+            softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
+            tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, SharedStorage,
+        ).launch(
+            grid=[num_n_blocks, num_heads_k, num_batch],
+            block=[cfg.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        tma_Q: cute.CopyAtom,
+        tma_mQ: cute.Tensor,
+        tma_dO: cute.CopyAtom,
+        tma_mdO: cute.Tensor,
+        tma_K: cute.CopyAtom,
+        tma_mK: cute.Tensor,
+        tma_V: cute.CopyAtom,
+        tma_mV: cute.Tensor,
+        tma_LSE: cute.CopyAtom,
+        tma_mLSE: cute.Tensor,
+        tma_D: cute.CopyAtom,
+        tma_mD: cute.Tensor,
+        softmax_scale: Float32,
+        softmax_scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sStat_layout: cute.Layout,
+        tiled_mma_SdP: cute.TiledMma,
+        tiled_mma_dK: cute.TiledMma,
+        tiled_mma_dV: cute.TiledMma,
+        tiled_mma_dQ: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_D):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # one arrive per consumer warp (lane 0 signals the empty barrier)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
+        elem_bytes = self.dtype.width // 8
+        pipeline_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_KV.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=cfg.tile_n * (cfg.head_dim + cfg.head_dim_v) * elem_bytes,
+            defer_sync=True,
+        )
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=cfg.num_stages, producer_group=producer,
+            consumer_group=consumers,
+            tx_count=cfg.tile_m * (cfg.head_dim + cfg.head_dim_v) * elem_bytes + 2 * cfg.tile_m * 4,
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+
+        # The WGMMA atoms swizzle byte addresses: the swizzle goes on the pointer.
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sStat_layout)
+        sD = storage.sD.get_tensor(sStat_layout)
+
+        n_block, head_k, batch = cute.arch.block_idx()
+        seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        left, right = window_left, window_right
+        if cutlass.const_expr(cfg.local):
+            unbounded = seqlen.seqlen_q + seqlen.seqlen_k
+            left = window_left if window_left >= 0 else unbounded
+            right = window_right if window_right >= 0 else unbounded
+        elif cutlass.const_expr(cfg.causal):
+            right = Int32(0)
+        m_block_min, m_steps = self.m_block_range(seqlen, n_block, left, right)
+        num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
+        num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
+        group = num_heads // num_heads_k
+
+        pipeline.pipeline_init_wait()
+        # A CTA past the end of its (varlen) key sequence has nothing to do; all its threads leave.
+        if n_block * cfg.tile_n < seqlen.seqlen_k:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(cfg.registers[1])
+                if warp_idx == 0 and m_steps > 0:
+                    self.load(
+                        tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE,
+                        tma_D, tma_mD, sQ, sdO, sK, sV, sLSE, sD, pipeline_kv, pipeline_q,
+                        seqlen, n_block, head_k, batch, group, m_block_min, m_steps,
+                    )
+            else:
+                cute.arch.setmaxregister_increase(cfg.registers[0])
+                self.consume(
+                    tidx - 128, mdQaccum, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, pipeline_kv, pipeline_q,
+                    tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, seqlen, n_block, head_k, batch,
+                    group, m_block_min, m_steps, left, right, softmax_scale, softmax_scale_log2,
+                    softcap_prescale,
+                )
+
+    @cute.jit
+    def m_block_range(self, seqlen: SeqlenInfo, n_block, left, right):
+        """(first query block, number of query blocks) that see at least one key of `n_block`;
+        `left`, `right` are the effective window (see `kernels/common/block_info.py`)."""
+        cfg = self.cfg
+        offset = seqlen.seqlen_k - seqlen.seqlen_q  # query i is aligned with key i + offset
+        num_m_blocks = (seqlen.seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+        m_block_min = Int32(0)
+        m_block_max = num_m_blocks
+        n_lo = n_block * cfg.tile_n
+        if cutlass.const_expr(cfg.causal or cfg.local):
+            # key j is seen by queries i >= j - offset - right
+            m_block_min = cutlass.max(n_lo - offset - right, 0) // cfg.tile_m
+        if cutlass.const_expr(cfg.local):
+            # ... and i <= j - offset + left
+            last_row = cutlass.min(n_lo + cfg.tile_n, seqlen.seqlen_k) - 1 - offset + left
+            m_block_max = cutlass.min(num_m_blocks, (cutlass.max(last_row, -1) + cfg.tile_m) // cfg.tile_m)
+        return m_block_min, cutlass.max(m_block_max - m_block_min, 0)
+
+    # ------------------------------------------------------------------------------------------
+    # producer
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load(
+        self, tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
+        sQ, sdO, sK, sV, sLSE, sD, pipeline_kv, pipeline_q, seqlen: SeqlenInfo, n_block, head_k, batch, group,
+        m_block_min, m_steps,
+    ):
+        cfg = self.cfg
+        one_cta = cute.make_layout(1)
+        rows = FlashFwdSm90.rows
+        gK = cute.local_tile(rows(tma_mK, cfg.varlen_k, seqlen.offset_k, batch, head_k),
+                             (cfg.tile_n, cfg.head_dim), (n_block, 0))
+        gV = cute.local_tile(rows(tma_mV, cfg.varlen_k, seqlen.offset_k, batch, head_k),
+                             (cfg.tile_n, cfg.head_dim_v), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_kv.producer_acquire(kv_state)
+        cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        for it in cutlass.range(m_steps * group, unroll=1):
+            head = head_k * group + it // m_steps
+            m_block = m_block_min + it % m_steps
+            gQ = cute.local_tile(rows(tma_mQ, cfg.varlen_q, seqlen.offset_q, batch, head),
+                                 (cfg.tile_m, cfg.head_dim), (m_block, 0))
+            gdO = cute.local_tile(rows(tma_mdO, cfg.varlen_q, seqlen.offset_q, batch, head),
+                                  (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
+            gLSE = cute.local_tile(self.stat_rows(tma_mLSE, seqlen.offset_q, batch, head), (cfg.tile_m,), (m_block,))
+            gD = cute.local_tile(self.stat_rows(tma_mD, seqlen.offset_q, batch, head), (cfg.tile_m,), (m_block,))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one_cta, cute.group_modes(sdO, 0, 2),
+                                                   cute.group_modes(gdO, 0, 2))
+            tLsL, tLgL = cpasync.tma_partition(tma_LSE, 0, one_cta, cute.group_modes(sLSE, 0, 1),
+                                               cute.group_modes(gLSE, 0, 1))
+            tDsD, tDgD = cpasync.tma_partition(tma_D, 0, one_cta, cute.group_modes(sD, 0, 1),
+                                               cute.group_modes(gD, 0, 1))
+            pipeline_q.producer_acquire(state)
+            bar = pipeline_q.producer_get_barrier(state)
+            cute.copy(tma_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_LSE, tLgL, tLsL[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_dO, tdOgdO, tdOsdO[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_D, tDgD, tDsD[None, state.index], tma_bar_ptr=bar)
+            state.advance()
+
+    @cute.jit
+    def stat_rows(self, tma_mX: cute.Tensor, offset, batch, head) -> cute.Tensor:
+        """(tokens,) of one (batch, head) of a `stats_view` tensor."""
+        if cutlass.const_expr(self.cfg.varlen_q):
+            return cute.domain_offset((offset,), tma_mX[None, head])
+        return tma_mX[None, head, batch]
+
+    # ------------------------------------------------------------------------------------------
+    # consumers
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(
+        self, ctidx, mdQaccum, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, pipeline_kv, pipeline_q,
+        tiled_mma_SdP: cute.TiledMma, tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma,
+        tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, group, m_block_min, m_steps,
+        left, right, softmax_scale, softmax_scale_log2, softcap_prescale,
+    ):
+        cfg = self.cfg
+        wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
+        thr_mma_SdP = tiled_mma_SdP.get_slice(ctidx)
+        thr_mma_dK = tiled_mma_dK.get_slice(ctidx)
+        thr_mma_dV = tiled_mma_dV.get_slice(ctidx)
+        thr_mma_dQ = tiled_mma_dQ.get_slice(ctidx % 128)
+
+        tSrK = tiled_mma_SdP.make_fragment_A(thr_mma_SdP.partition_A(sK))
+        tSrQ = tiled_mma_SdP.make_fragment_B(thr_mma_SdP.partition_B(sQ))
+        tdPrV = tiled_mma_SdP.make_fragment_A(thr_mma_SdP.partition_A(sV))
+        tdPrdO = tiled_mma_SdP.make_fragment_B(thr_mma_SdP.partition_B(sdO))
+        tdVrdOt = tiled_mma_dV.make_fragment_B(thr_mma_dV.partition_B(transposed(sdO)))
+        tdKrQt = tiled_mma_dK.make_fragment_B(thr_mma_dK.partition_B(transposed(sQ)))
+        # this warpgroup's 64 keys: its rows of dS^T and K
+        sdS_wg = cute.local_tile(sdS, (64, cfg.tile_m), (wg_idx, 0))
+        sK_wg = cute.local_tile(sK, (64, cfg.head_dim), (wg_idx, 0))
+        tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS_wg)))
+        tdQrKt = tiled_mma_dQ.make_fragment_B(thr_mma_dQ.partition_B(transposed(sK_wg)))
+        stsm_dS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma_SdP
+        ).get_slice(ctidx)
+        tdSsdS = stsm_dS.partition_D(sdS)
+
+        tile_S = (cfg.tile_n, cfg.tile_m)
+        # (key, query) coordinates inside an S^T tile: thread 0's are compile-time constants and
+        # every thread's are its first one's plus thread 0's, so that per-element comparisons are
+        # against immediates (rather than 2 * 32 loop-invariant coordinates held in registers)
+        cS = cute.make_identity_tensor(tile_S)
+        thr_key, thr_query = acc_mn_view(acc_as_mma_sync(thr_mma_SdP.partition_C(cS)))[0, 0]
+        t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_SdP.get_slice(0).partition_C(cS)))
+        rP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
+        rdS = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
+        tdVrP = probs_as_operand_a(rP, thr_mma_dV, tile_S)
+        tdKrdS = probs_as_operand_a(rdS, thr_mma_dK, tile_S)
+
+        cdQ = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
+        thr_dQ_row = thr_mma_dQ.partition_C(cdQ)[0][0]
+        t0dQcdQ_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_dQ.get_slice(0).partition_C(cdQ)))
+
+        # no zero fill: the first query block's GEMMs overwrite them (`gemm_accumulate_if`)
+        acc_dK = cute.make_rmem_tensor(thr_mma_dK.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_mma_dV.partition_shape_C((cfg.tile_n, cfg.head_dim_v)), Float32)
+
+        if m_steps > 0:
+            pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            rows_k = seqlen.seqlen_k - n_block * cfg.tile_n
+            if cutlass.const_expr(cfg.seqused_k or cfg.varlen_k):
+                if rows_k < cfg.tile_n:
+                    self.zero_rows(sK, cfg.head_dim, rows_k, ctidx, wg_idx)
+                    self.zero_rows(sV, cfg.head_dim_v, rows_k, ctidx, wg_idx)
+                    cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by WGMMA
+                    cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+
+            offset = seqlen.seqlen_k - seqlen.seqlen_q
+            n_lo = n_block * cfg.tile_n
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+            for it in cutlass.range(m_steps * group, unroll=1):
+                head = head_k * group + it // m_steps
+                m_block = m_block_min + it % m_steps
+                m_lo = m_block * cfg.tile_m
+                stage = state.index
+                pipeline_q.consumer_wait(state)
+                acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
+                acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
+                gemm(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+                # dP^T runs while P^T is computed, except with soft-capping, whose tanh leaves no
+                # room for the dP^T tile in flight next to dK and dV at head dim 128
+                if cutlass.const_expr(not cfg.softcap):
+                    gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+                warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
+
+                # the masked path: tails on either side, the causal diagonal, the window edges
+                masked = (n_lo + cfg.tile_n > seqlen.seqlen_k) | (m_lo + cfg.tile_m > seqlen.seqlen_q)
+                if cutlass.const_expr(cfg.causal or cfg.local):
+                    masked = masked | (n_lo + cfg.tile_n - 1 > m_lo + offset + right)
+                if cutlass.const_expr(cfg.local):
+                    masked = masked | (n_lo < m_lo + cfg.tile_m - 1 + offset - left)
+                # this thread's LSE and D: its first query's entry + thread 0's column (immediates)
+                sLSE_thr = cute.domain_offset((thr_query,), sLSE[None, stage])
+                sD_thr = cute.domain_offset((thr_query,), sD[None, stage])
+                if masked:
+                    # a (key, query) pair of this thread is key0 + k, query0 + q with (k, q) thread
+                    # 0's coordinates; the limits below move this thread's part to the right side
+                    key0, query0 = n_lo + thr_key, m_lo + thr_query
+                    limits = (
+                        seqlen.seqlen_k - key0,  # k >= this: key past seqlen_k
+                        seqlen.seqlen_q - query0,  # q >= this: query past seqlen_q
+                        query0 + offset + right - key0,  # k - q > this: right of the window / diagonal
+                        query0 + offset - left - key0,  # k - q < this: left of the window
+                    )
+                    self.probs(acc_S, rP, sLSE_thr, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
+                else:
+                    self.probs(acc_S, rP, sLSE_thr, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
+                if cutlass.const_expr(cfg.softcap):
+                    gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+                else:
+                    rP.store(acc_S.load().to(self.dtype))
+                gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
+                # dP^T is in, and dV is done with rP: waiting for it here keeps P^T and dS^T from
+                # being live together (the registers would not hold both next to dK and dV)
+                warpgroup.wait_group(0)
+
+                # dS^T = P^T (dP^T - D), with soft-capping P^T (1 - tanh^2) (dP^T - D)
+                acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
+                acc_dP_mn = acc_mn_view(acc_as_mma_sync(acc_dP))
+                for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
+                    d_row = sD_thr[t0ScS_mn[0, c][1]]
+                    for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
+                rdS.store(acc_dP.load().to(self.dtype))
+                gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
+
+                # dS^T of this warpgroup's keys -> shared memory -> dQ partial
+                cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS)
+                cute.arch.fence_view_async_shared()  # stmatrix wrote through the generic proxy
+                cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+                gemm(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
+                warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
+                pipeline_q.consumer_release(state)
+                state.advance()
+
+                gdQ = cute.local_tile(seqlen.q_rows(mdQaccum, batch, head), (cfg.tile_m, cfg.head_dim), (m_block, 0))
+                tdQgdQ_mn = acc_mn_view(acc_as_mma_sync(thr_mma_dQ.partition_C(gdQ)))
+                acc_dQ_mn = acc_mn_view(acc_as_mma_sync(acc_dQ))
+                rows_q = seqlen.seqlen_q - m_lo - thr_dQ_row  # rows of this thread past its first
+                for r in cutlass.range_constexpr(cute.size(acc_dQ_mn, mode=[0])):
+                    if t0dQcdQ_mn[r, 0][0] < rows_q:
+                        for c in cutlass.range_constexpr(cute.size(acc_dQ_mn, mode=[1])):
+                            cute.arch.red(elem_pointer(tdQgdQ_mn, (r, c)), acc_dQ_mn[r, c], op="add", dtype="f32",
+                                          sem="relaxed", scope="gpu")
+
+            # ---- epilogue: dK (scaled) and dV in the input dtype ----
+            acc_dK.store(acc_dK.load() * softmax_scale)
+            self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, thr_mma_dK)
+            self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, thr_mma_dV)
+        else:  # no query block sees these keys
+            self.store_rows(None, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, thr_mma_dK)
+            self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, thr_mma_dV)
+
+    @cute.jit
+    def probs(self, acc_S, rP, sLSE_thr, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale):
+        """P^T = exp2(S^T * scale_log2 - LSE_log2[query]), in place in acc_S (fp32).
+
+        With soft-capping, S^T is first t = tanh(S^T * scale / softcap) and the chain rule needs
+        1 - t^2 next to P^T: P^T goes to rP (16 bits, the dV operand) here, and acc_S keeps the
+        product P^T (1 - t^2), the one factor dS^T needs -- one fp32 tile instead of two.
+        With `limits` (the masked path, see `consume`), hidden (key, query) pairs get P = 0:
+        keys past seqlen_k, queries past seqlen_q, and pairs outside the causal / local window."""
+        cfg = self.cfg
+        acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
+        rP_mn = acc_mn_view(acc_as_mma_sync(rP))
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            q = t0ScS_mn[0, c][1]
+            lse = sLSE_thr[q]
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                s = acc_S_mn[r, c]
+                if cutlass.const_expr(cfg.softcap):
+                    s = tanhf(s * softcap_prescale)
+                p = exp2f(s * softmax_scale_log2 - lse)
+                if cutlass.const_expr(limits is not None):
+                    k = t0ScS_mn[r, c][0]
+                    hidden = (k >= limits[0]) | (q >= limits[1])
+                    if cutlass.const_expr(cfg.causal or cfg.local):
+                        hidden = hidden | (k - q > limits[2])
+                    if cutlass.const_expr(cfg.local):
+                        hidden = hidden | (k - q < limits[3])
+                    p = Float32(0.0) if hidden else p
+                if cutlass.const_expr(cfg.softcap):
+                    rP_mn[r, c] = p.to(self.dtype)
+                    p = p * (1.0 - s * s)
+                acc_S_mn[r, c] = p
+
+    @cute.jit
+    def zero_rows(self, sX, cols: cutlass.Constexpr, rows_valid, ctidx, wg_idx):
+        """Zero the rows of this warpgroup's 64 rows of a key tile that lie at or past `rows_valid`."""
+        tid = ctidx % 128
+        for i in cutlass.range(64 * cols // 128, unroll_full=True):
+            idx = tid + i * 128
+            row = wg_idx * 64 + idx // cols
+            if row >= rows_valid:
+                sX[row, idx % cols] = self.dtype(0)
+
+    @cute.jit
+    def store_rows(self, acc, mX, seqlen: SeqlenInfo, batch, head_k, n_block, tile_d: cutlass.Constexpr,
+                   thr_mma):
+        """Round an fp32 (tile_n, tile_d) accumulator to the input dtype (RNE), or zeros for
+        `acc` None, and store the part inside the key sequence and the actual head dim."""
+        cfg = self.cfg
+        d = mX.shape[2] if cutlass.const_expr(cfg.varlen_k) else mX.shape[3]
+        gX = cute.local_tile(seqlen.k_rows(mX, batch, head_k), (cfg.tile_n, tile_d), (n_block, 0))
+        tXgX = thr_mma.partition_C(gX)
+        rX = cute.make_rmem_tensor(tXgX.shape, self.dtype)
+        if cutlass.const_expr(acc is None):
+            rX.fill(0)
+        else:
+            rX.store(acc.load().to(self.dtype))
+        tXgX_mn = acc_mn_view(acc_as_mma_sync(tXgX))
+        rX_mn = acc_mn_view(acc_as_mma_sync(rX))
+        tXcX_mn = acc_mn_view(acc_as_mma_sync(thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_n, tile_d)))))
+        rows = seqlen.seqlen_k - n_block * cfg.tile_n
+        for r in cutlass.range_constexpr(cute.size(rX_mn, mode=[0])):
+            if tXcX_mn[r, 0][0] < rows:
+                for c in cutlass.range_constexpr(cute.size(rX_mn, mode=[1])):
+                    if tXcX_mn[r, c][1] < d:
+                        tXgX_mn[r, c] = rX_mn[r, c]

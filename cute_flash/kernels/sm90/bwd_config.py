@@ -1,0 +1,186 @@
+"""Compile-time configuration of the sm_90 backward kernel: the key of its compile cache.
+
+`Sm90BwdConfig` holds every choice that changes the generated code of `FlashBwdSm90`; sequence
+lengths, batch, heads, strides, the actual head dims inside a padded tile, the scale and the
+window sizes are run-time arguments. The preprocess and postprocess kernels are the sm_80 ones
+(`kernels/sm80/bwd_pre.py`, `bwd_post.py`): row-wise passes with nothing to gain from TMA or
+WGMMA.
+
+Each of the two consumer warpgroups owns 64 of the CTA's `tile_n` = 128 keys and keeps their dK
+and dV in fp32 registers for the whole kernel: 64 * (d + dv) / 128 registers per thread, 128 at
+head dim 128. On top of that, per query block of `tile_m` rows: the S^T and dP^T tiles
+(64 * tile_m / 128 each), P^T and dS^T in 16 bits (half that each) and the warpgroup's dQ
+partial (tile_m * d / 128). With 240 registers per consumer thread (`setmaxnreg`) that leaves
+room for 64-row query blocks at every head dim up to 128; every entry compiles with zero spills
+for sm_90a with all feature flags on. Head dims 192 and 256 would need dK and dV split over
+the warpgroups' columns (or over more CTAs), which this kernel does not do, so they are refused
+by name (`UnsupportedHeadDim`), as is a head dim of V that differs from Q's.
+
+Shared memory: K and V of the CTA, `num_stages` buffers of (Q, dO, LSE, D) and dS^T:
+2 * (tile_n * (d + dv) + stages * tile_m * (d + dv) + tile_n * tile_m) bytes + 8 * stages *
+tile_m, about 147 KB at head dim 128 with 2 stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from ..common.tiles import check_attention_config, pad_headdim
+
+TILE_HEADDIMS = (64, 96, 128)
+DTYPES = ("float16", "bfloat16")
+SMEM_LIMIT = 227 * 1024
+NUM_CONSUMER_WGS = 2
+# setmaxnreg budgets (consumer, producer): 128 * (24 + 2 * 240) <= 64K registers of an SM
+REGISTERS = (240, 24)
+
+
+class BwdTile(NamedTuple):
+    tile_m: int  # query rows per inner step
+    num_stages: int  # depth of the (Q, dO, LSE, D) ring
+
+
+# keyed by the padded head dim
+TILES = {
+    64: BwdTile(64, 2),
+    96: BwdTile(64, 2),
+    128: BwdTile(64, 2),
+}
+
+
+class UnsupportedHeadDim(NotImplementedError):
+    pass
+
+
+@dataclass(frozen=True)
+class Sm90BwdConfig:
+    dtype: str  # "float16" | "bfloat16"
+    head_dim: int  # padded tile head dim of Q, K, dQ, dK
+    head_dim_v: int  # padded tile head dim of V, O, dO, dV
+    tile_m: int
+    num_stages: int
+    causal: bool = False
+    local: bool = False  # sliding window (causal is not local)
+    softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_k: bool = False
+
+    tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
+    num_threads = 128 * (NUM_CONSUMER_WGS + 1)
+    registers = REGISTERS
+
+    def __post_init__(self):
+        check_attention_config(self, DTYPES, TILE_HEADDIMS)
+        if self.tile_m != 64:
+            # the M of the dQ GEMM (one m64 WGMMA per warpgroup); more rows would not fit the registers
+            raise ValueError(f"tile_m must be 64; got {self.tile_m}")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
+
+    @property
+    def smem_bytes(self) -> int:
+        k_v = self.tile_n * (self.head_dim + self.head_dim_v)
+        q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
+        ds = self.tile_n * self.tile_m
+        lse_d = 2 * 4 * self.num_stages * self.tile_m
+        return 2 * (k_v + q_do + ds) + lse_d + 1024  # + mbarriers and alignment
+
+    @property
+    def name(self) -> str:
+        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k") if getattr(self, f)]
+        hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
+        tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
+        return "_".join(["bwd_sm90", self.dtype, hd, tile] + flags)
+
+
+def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdConfig:
+    """The configuration for actual head dims (multiples of 8 up to 128, equal) and feature flags."""
+    hd = pad_headdim(head_dim, TILE_HEADDIMS, UnsupportedHeadDim)
+    pad_headdim(head_dim_v, TILE_HEADDIMS, UnsupportedHeadDim)
+    if head_dim_v != head_dim:
+        raise NotImplementedError(
+            f"the sm_90 backward kernel needs head dim of V == head dim of Q; got {head_dim_v} and {head_dim}"
+        )
+    tile = TILES[hd]
+    return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
+                         **flags)
+
+
+def shipped_configs() -> list:
+    """Every tile of the table in fp16 (no mask) and bf16 (causal), and each feature variant at
+    head dim 128, whose registers are the tightest.
+
+    Feature flags change code paths but not the tile, so one head dim per variant shows that the
+    path compiles without spills.
+    """
+    configs = [make_config(dtype, d, d, causal=causal)
+               for d in TILE_HEADDIMS for dtype, causal in (("float16", False), ("bfloat16", True))]
+    base = make_config("bfloat16", 128, 128)
+    configs += [
+        replace(base, local=True, softcap=True),
+        replace(base, causal=True, softcap=True),
+        replace(base, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
+        replace(base, local=True, varlen_q=True, varlen_k=True),
+        make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True),
+    ]
+    return configs
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling a configuration (no GPU needed: fake tensors with symbolic sizes and 64-bit strides)
+# ------------------------------------------------------------------------------------------------
+def fake_arguments(config: Sm90BwdConfig) -> tuple:
+    """Arguments of `FlashBwdSm90.__call__` (less the stream) for `cute.compile`: every size
+    symbolic, every stride but the last a 64-bit multiple of 16 bytes (TMA's rule; the host pads
+    the row statistics so that theirs are)."""
+    import cutlass
+
+    from ..common.fake_tensors import element_type, fake_int_vector, fake_tensor, fake_tokens
+
+    dtype = element_type(config.dtype)
+    rows = 2 if config.varlen_q else 3  # LSE / D: (batch, heads, seqlen) or (heads, total)
+    return (
+        fake_tokens(dtype, config.varlen_q, 8),  # q
+        fake_tokens(dtype, config.varlen_k, 8),  # k
+        fake_tokens(dtype, config.varlen_k, 8),  # v
+        fake_tokens(dtype, config.varlen_q, 8),  # dout
+        fake_tensor(cutlass.Float32, rows, 4, 16),  # lse_log2
+        fake_tensor(cutlass.Float32, rows, 4, 16),  # delta
+        fake_tokens(cutlass.Float32, config.varlen_q, 4),  # dq_accum
+        fake_tokens(dtype, config.varlen_k, 8),  # dk
+        fake_tokens(dtype, config.varlen_k, 8),  # dv
+        fake_int_vector() if config.varlen_q else None,
+        fake_int_vector() if config.varlen_k else None,
+        fake_int_vector() if config.seqused_k else None,
+        cutlass.Int32(1),  # num_batch
+        cutlass.Int32(1),  # max_seqlen_k
+        cutlass.Float32(1.0),  # softmax_scale
+        cutlass.Float32(1.0),  # softmax_scale_log2
+        cutlass.Float32(1.0),  # softcap_prescale
+        cutlass.Int32(-1),  # window_left
+        cutlass.Int32(-1),  # window_right
+    )
+
+
+def compile_kernel(config: Sm90BwdConfig, options: str = "--gpu-arch sm_90a"):
+    """cute.compile the main backward kernel of `config` with extra compiler `options`."""
+    import cutlass.cute as cute
+
+    from ..common.fake_tensors import fake_stream
+    from .bwd import FlashBwdSm90
+
+    return cute.compile(FlashBwdSm90(config), *fake_arguments(config), fake_stream(options), options=options)
+
+
+# `KernelCache` builds kernels through `<config module>.compile_fwd`; for this module that is the
+# backward kernel.
+compile_fwd = compile_kernel
+
+
+def audit_targets(arch: str) -> list:
+    """One audit target per shipped configuration (see `cute_flash.audit`); sm_90a only."""
+    from cute_flash.audit import targets
+
+    return targets(arch, shipped_configs(), compile_kernel) if arch == "sm_90a" else []
