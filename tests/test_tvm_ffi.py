@@ -75,6 +75,7 @@ KINDS = {
     "sm80_bwd": ("cute_flash.kernels.sm80.bwd_config", "sm_80", lambda m: m.make_config("bfloat16", 64, 64)),
     "sm80_bwd_pre": ("cute_flash.kernels.sm80.bwd_config", "sm_80", lambda m: m.make_pre_config("bfloat16", 64, varlen_q=False, has_dlse=True)),
     "sm80_bwd_post": ("cute_flash.kernels.sm80.bwd_config", "sm_80", lambda m: m.make_post_config("bfloat16", 64, varlen_q=True)),
+    "sm90_bwd": ("cute_flash.kernels.sm90.bwd_config", "sm_90a", lambda m: m.make_config("bfloat16", 128, 128, causal=True)),
 }
 
 

@@ -422,12 +422,35 @@ class CuteSm90Backend(_CuteBackend):
             return get_backend("cute-sm80").fwd(q, k, v, out, lse, args, workspace)
         return super().fwd(q, k, v, out, lse, args, workspace)
 
+    # The sm_90 backward kernel (kernels/sm90/bwd.py: TMA, WGMMA, warp-specialized) for the calls
+    # it takes (`native_backward_takes`), the sm_80 kernels for the others; off until
+    # tests/gpu/test_bwd_sm90.py has passed on a GPU.
+    native_backward: bool = False
+
+    def native_backward_takes(self, q, k, v, args: AttnArgs, deterministic: bool) -> bool:
+        """Whether `bwd` runs this call on the sm_90 backward kernel."""
+        if not self.native_backward:
+            return False
+        from .cute_bwd import sm90_configs
+
+        try:
+            sm90_configs(q, k, v, None, args, deterministic)
+        except NotImplementedError:
+            return False
+        return True
+
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
+        if self.native_backward_takes(q, k, v, args, deterministic):
+            from .cute_bwd import backward_sm90
+
+            return backward_sm90(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args, deterministic)
         from . import get_backend
 
         get_backend("cute-sm80").bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, args, deterministic)
 
     def backward_refusal(self, q, k, v, args: AttnArgs, deterministic: bool) -> Optional[str]:
+        if self.native_backward_takes(q, k, v, args, deterministic):
+            return None
         from . import get_backend
 
         return get_backend("cute-sm80").backward_refusal(q, k, v, args, deterministic)

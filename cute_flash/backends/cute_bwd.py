@@ -11,6 +11,11 @@ GQA therefore needs no dK/dV buffers and no reduction pass. The atomic dQ accumu
 order of the fp32 additions, and so the last bits of dQ, vary from run to run; with
 `deterministic=True` the key blocks that see a query block add into it one at a time, in order,
 through a turn counter per (batch, head, query block), so dQ is the same on every run.
+
+`backward_sm90` is the same three steps with the sm_90 main kernel (`kernels/sm90/bwd.py`: TMA,
+WGMMA, warp-specialized) between the same preprocess and postprocess kernels. Its kernel loads
+the LSE and D rows by TMA, whose global strides must be multiples of 16 bytes, so their buffers
+here have a row pitch padded to 4 floats. It has no deterministic mode yet.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from .base import AttnArgs
 from .cute import _DTYPE_NAMES, KernelCache, kernel_flags
 
 CONFIG_MODULE = "cute_flash.kernels.sm80.bwd_config"
+SM90_CONFIG_MODULE = "cute_flash.kernels.sm90.bwd_config"
 _cache = None
+_sm90_cache = None
 
 
 def kernel_cache() -> KernelCache:
@@ -30,6 +37,15 @@ def kernel_cache() -> KernelCache:
     if _cache is None:
         _cache = KernelCache(config_module=CONFIG_MODULE, sources=("common", "sm80"))
     return _cache
+
+
+def sm90_kernel_cache() -> KernelCache:
+    """The compile cache of the sm_90 main backward kernel (its preprocess and postprocess kernels
+    are the sm_80 ones, in `kernel_cache`)."""
+    global _sm90_cache
+    if _sm90_cache is None:
+        _sm90_cache = KernelCache(config_module=SM90_CONFIG_MODULE, sources=("common", "sm90"))
+    return _sm90_cache
 
 
 def configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple:
@@ -44,12 +60,54 @@ def configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple
     return pre, main, post
 
 
+def sm90_configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple:
+    """(preprocess, main, postprocess) configurations of `backward_sm90` for a validated call;
+    NotImplementedError, saying why, for a call its main kernel does not take."""
+    from ..kernels.sm80 import bwd_config
+    from ..kernels.sm90 import bwd_config as sm90_bwd_config
+
+    if deterministic:
+        raise NotImplementedError("deterministic=True: the sm_90 backward kernel has no ordered dQ accumulation")
+    if args.page_table is not None:
+        raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
+    dtype = _DTYPE_NAMES[q.dtype]
+    varlen_q = args.cu_seqlens_q is not None
+    main = sm90_bwd_config.make_config(dtype, q.shape[-1], v.shape[-1], **kernel_flags(args))
+    pre = bwd_config.make_pre_config(dtype, v.shape[-1], varlen_q=varlen_q, has_dlse=dlse is not None)
+    post = bwd_config.make_post_config(dtype, q.shape[-1], varlen_q=varlen_q)
+    return pre, main, post
+
+
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it (unit last stride, 16-byte aligned rows and base),
     else a contiguous copy; an incoming gradient may be an expanded (stride-0) view."""
     elem = t.element_size()
     aligned = t.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in t.stride()[:-1])
     return t if t.stride(-1) == 1 and aligned else t.contiguous()
+
+
+def _sizes(q, k, args: AttnArgs) -> tuple:
+    """(num_batch, max_seqlen_q, max_seqlen_k) of a validated call."""
+    varlen_q = args.cu_seqlens_q is not None
+    num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+    max_seqlen_k = args.max_seqlen_k if args.cu_seqlens_k is not None else k.shape[1]
+    return num_batch, max_seqlen_q, max_seqlen_k
+
+
+def _without_launch(q, k, dq, dk, dv, args: AttnArgs) -> bool:
+    """Zero the gradients no CTA writes; True when that is all there is to do (no query, or no key)."""
+    num_batch, max_seqlen_q, max_seqlen_k = _sizes(q, k, args)
+    if args.seqused_k is not None or num_batch == 0 or not max_seqlen_q or q.numel() == 0:
+        # keys no CTA visits (past seqused_k, or every key when there is no query) get 0
+        dk.zero_()
+        dv.zero_()
+    if num_batch == 0 or not max_seqlen_q or q.numel() == 0:
+        return True
+    if not max_seqlen_k or k.shape[-3] == 0:
+        dq.zero_()  # no key anywhere: every row is fully masked
+        return True
+    return False
 
 
 def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
@@ -59,20 +117,9 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
     if args.page_table is not None:
         raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
     pre, main, post = configs(q, k, v, dlse, args, deterministic)  # raises for head dims the kernel lacks
-
-    varlen_q = args.cu_seqlens_q is not None
-    num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-    max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
-    max_seqlen_k = args.max_seqlen_k if args.cu_seqlens_k is not None else k.shape[1]
-    if args.seqused_k is not None or num_batch == 0 or not max_seqlen_q or q.numel() == 0:
-        # keys no CTA visits (past seqused_k, or every key when there is no query) get 0
-        dk.zero_()
-        dv.zero_()
-    if num_batch == 0 or not max_seqlen_q or q.numel() == 0:
+    if _without_launch(q, k, dq, dk, dv, args):
         return
-    if not max_seqlen_k or k.shape[-3] == 0:
-        dq.zero_()  # no key anywhere: every row is fully masked
-        return
+    num_batch, max_seqlen_q, max_seqlen_k = _sizes(q, k, args)
 
     dout = _kernel_ready(dout)
     lse = lse.contiguous()
@@ -105,3 +152,51 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
         fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),
                 a.f32(args.softmax_scale), *a.stream())
 
+
+
+def _tma_row_stats(lse: torch.Tensor) -> torch.Tensor:
+    """An uninitialised float32 tensor shaped like `lse` whose rows start 16 bytes apart (the row
+    pitch padded to 4 floats), as TMA needs; only the preprocess kernel writes it."""
+    n = lse.shape[-1]
+    return torch.empty(*lse.shape[:-1], -(-n // 4) * 4, dtype=torch.float32, device=lse.device)[..., :n]
+
+
+def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
+    """Write dq, dk, dv in place with the sm_90 main kernel (see the module docstring)."""
+    from ..kernels.common.softmax import softmax_constants
+
+    pre, main, post = sm90_configs(q, k, v, dlse, args, deterministic)  # raises for what the kernel lacks
+    if _without_launch(q, k, dq, dk, dv, args):
+        return
+    num_batch, max_seqlen_q, max_seqlen_k = _sizes(q, k, args)
+
+    # TMA reads dO: a zero (expanded) stride is copied out too
+    dout = _kernel_ready(dout if all(dout.stride()[:-1]) else dout.contiguous())
+    lse = lse.contiguous()
+    dlse = dlse.contiguous() if dlse is not None else None
+    lse_log2 = _tma_row_stats(lse)
+    delta = _tma_row_stats(lse)
+    dq_accum = torch.zeros(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)
+
+    arch = backend.arch(q.device)
+    fn_pre, _ = kernel_cache().get(pre, arch)
+    fn_main, _ = sm90_kernel_cache().get(main, arch)
+    fn_post, _ = kernel_cache().get(post, arch)
+    scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)
+    a = kernel_cache().args
+    m = sm90_kernel_cache().args
+    cu_q = a.tensor(args.cu_seqlens_q, 4)
+    with a.context(q.device):
+        fn_pre(
+            a.tensor(out, 16), a.tensor(dout, 16), a.tensor(lse, 4), a.tensor(dlse, 4), a.tensor(lse_log2, 4),
+            a.tensor(delta, 4), cu_q, a.i32(num_batch), a.i32(max_seqlen_q), *a.stream(),
+        )
+        fn_main(
+            m.tensor(q, 16), m.tensor(k, 16), m.tensor(v, 16), m.tensor(dout, 16), m.tensor(lse_log2, 16),
+            m.tensor(delta, 16), m.tensor(dq_accum, 16), m.tensor(dk, 16), m.tensor(dv, 16),
+            m.tensor(args.cu_seqlens_q, 4), m.tensor(args.cu_seqlens_k, 4), m.tensor(args.seqused_k, 4),
+            m.i32(num_batch), m.i32(max_seqlen_k), m.f32(args.softmax_scale), m.f32(scale_log2),
+            m.f32(softcap_prescale), m.i32(args.window_left), m.i32(args.window_right), *m.stream(),
+        )
+        fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),
+                a.f32(args.softmax_scale), *a.stream())

@@ -1,0 +1,247 @@
+"""The sm_90 backward kernel (TMA + WGMMA) against the float64 oracle's gradients, on an
+H100/H200 (`pytest -m gpu`).
+
+The cute-sm90 backend's `bwd` is called directly with `native_backward` set on the instance (the
+class keeps it off until these pass), and every case first asserts that the sm_90 kernel takes
+the call, so that a hand-off to the sm_80 kernels cannot pass for it. Its inputs `out` and `lse`
+come from the reference forward, so a forward bug cannot hide or cause a backward failure; the
+oracle's gradients are computed from the same `out` and `lse`.
+Tolerance (DESIGN.md), per gradient: max|g - ref| <= 2 * max|g_torch - ref| + atol, with g_torch
+the reference backward in the input dtype (`tests/attention_oracle.py`). dq, dk and dv are
+poisoned with NaN before the call; K and V sit inside NaN-filled buffers with different row
+strides, so that a TMA box reading outside them or an unwritten gradient shows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attention_oracle import backend_or_skip, check_backward, nan_framed_kv, randn_in_nan
+from cute_flash.backends.base import AttnArgs
+from cute_flash.backends.reference import reference_attention
+
+pytestmark = pytest.mark.gpu
+
+SEQLEN_PAIRS = [(1, 1), (1, 300), (113, 203), (239, 1), (128, 128), (799, 3), (1023, 1024), (2048, 2048)]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _backend():
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    backend = backend_or_skip(CuteSm90Backend)
+    backend.native_backward = True
+    return backend
+
+
+def _transposed_dout(shape, dtype):
+    """dO as a non-contiguous view: (b, s, h, d) from a (b, h, s, d) tensor, or (t, h, d) from (h, t, d)."""
+    if len(shape) == 4:
+        b, s, h, d = shape
+        return torch.randn(b, h, s, d, dtype=dtype, device="cuda").transpose(1, 2)
+    t, h, d = shape
+    return torch.randn(h, t, d, dtype=dtype, device="cuda").transpose(0, 1)
+
+
+def _run(q, k, v, out, lse, dout, dlse, args: AttnArgs):
+    """(dq, dk, dv) of the sm_90 kernel, poisoned with NaN before the call."""
+    backend = _backend()
+    assert backend.native_backward_takes(q, k, v, args, False), "the sm_90 backward kernel refuses this call"
+    dq = torch.full_like(q, float("nan"))
+    dk = torch.full(k.shape, float("nan"), dtype=k.dtype, device="cuda")
+    dv = torch.full(v.shape, float("nan"), dtype=v.dtype, device="cuda")
+    backend.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, args, False)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def _check(q, k, v, args: AttnArgs, with_dlse=False):
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out = ref_out.to(q.dtype)
+    lse = ref_lse.float()
+    dout = _transposed_dout(out.shape, q.dtype)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    grads = _run(q, k, v, out, lse, dout, dlse, args)
+    check_backward(grads, dout, dlse, q, k, v, out, lse, args)
+    return grads
+
+
+def _args(d, **kw):
+    return AttnArgs(softmax_scale=kw.pop("softmax_scale", 1.0 / math.sqrt(d)), **kw)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sm90_bwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seqlen_q, seqlen_k):
+    torch.manual_seed(seqlen_q * 7 + seqlen_k + d)
+    q = torch.randn(2, seqlen_q, 3, d, dtype=dtype, device="cuda")
+    k, v = nan_framed_kv(2, seqlen_k, 3, d, d, dtype)
+    _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
+
+
+@pytest.mark.parametrize("nheads,nheads_k", [(6, 2), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_bwd_gqa_and_mqa_sum_dk_dv_over_the_group(d, nheads, nheads_k, causal):
+    torch.manual_seed(nheads * 10 + nheads_k + d)
+    q = torch.randn(3, 257, nheads, d, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(3, 300, nheads_k, d, d, torch.bfloat16)
+    _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
+
+
+@pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0), (200, 7)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (500, 130), (239, 1), (1000, 1000)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_bwd_sliding_window(d, seqlen_q, seqlen_k, window):
+    torch.manual_seed(sum(window) + seqlen_q + d)
+    q = torch.randn(2, seqlen_q, 2, d, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(2, seqlen_k, 2, d, d, torch.bfloat16)
+    _check(q, k, v, _args(d, window_left=window[0], window_right=window[1]))
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (50, 10)])
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_sm90_bwd_softcap_chain_rule(d, window):
+    torch.manual_seed(d + window[0])
+    q = torch.randn(2, 333, 3, d, dtype=torch.bfloat16, device="cuda") * 3
+    k, v = nan_framed_kv(2, 517, 3, d, d, torch.bfloat16)
+    causal = window == (-1, 0)
+    _check(q, k, v, _args(d, causal=causal, window_left=window[0], window_right=window[1], softcap=15.0))
+
+
+@pytest.mark.parametrize("seqused", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_bwd_varlen_and_seqused_k(d, causal, seqused):
+    torch.manual_seed(d + causal + 2 * seqused)
+    seqlens_q = [1, 0, 113, 239, 300, 64, 7, 129]
+    seqlens_k = [1, 5, 203, 1, 333, 64, 300, 128]
+    cu_q = torch.tensor([0] + torch.tensor(seqlens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(seqlens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = randn_in_nan((int(cu_q[-1]), 4, d), torch.bfloat16, row_dim=0, pad_rows=5, pad_cols=0)
+    k, v = nan_framed_kv(None, int(cu_k[-1]), 2, d, d, torch.bfloat16, varlen=True)
+    used = torch.tensor([1, 0, 150, 1, 300, 17, 299, 127], dtype=torch.int32, device="cuda") if seqused else None
+    args = _args(d, causal=causal, window_right=0 if causal else -1, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                 max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), seqused_k=used)
+    _check(q, k, v, args)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_bwd_ignores_a_stale_cache_past_seqused_k(d):
+    """Keys past seqused_k are inside the tensor, so TMA loads them: NaN there must not reach any
+    gradient (the kernel zeroes those rows in shared memory), and dk, dv there are 0."""
+    torch.manual_seed(d)
+    used = torch.tensor([100, 1, 257], dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 190, 4, d, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(3, 300, 2, d, d, torch.bfloat16)
+    for b, n in enumerate(used.tolist()):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("inf")
+    dq, dk, dv = _check(q, k, v, _args(d, causal=True, window_right=0, seqused_k=used))
+    for b, n in enumerate(used.tolist()):
+        assert (dk[b, n:] == 0).all() and (dv[b, n:] == 0).all()
+
+
+@pytest.mark.parametrize("d", [8, 40, 72, 80, 120])
+def test_sm90_bwd_padded_headdims(d):
+    torch.manual_seed(d)
+    q = randn_in_nan((2, 211, 4, d), torch.float16, row_dim=1, pad_rows=3, pad_cols=8)
+    k, v = nan_framed_kv(2, 333, 4, d, d, torch.float16)
+    _check(q, k, v, _args(d, causal=True, window_right=0))
+
+
+def test_sm90_bwd_honours_a_gradient_of_the_lse():
+    torch.manual_seed(17)
+    q = torch.randn(2, 150, 4, 64, dtype=torch.float16, device="cuda")
+    k, v = nan_framed_kv(2, 190, 2, 64, 64, torch.float16)
+    _check(q, k, v, _args(64, causal=True, window_right=0), with_dlse=True)
+
+
+def test_sm90_bwd_no_nan_for_fully_masked_rows():
+    """Causal with seqlen_q > seqlen_k: the first rows see no key; their dq is exactly 0."""
+    torch.manual_seed(23)
+    q = torch.randn(2, 300, 2, 64, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(2, 100, 2, 64, 64, torch.bfloat16)
+    dq, dk, dv = _check(q, k, v, _args(64, causal=True, window_right=0))
+    assert (dq[:, :200] == 0).all()
+
+
+def test_sm90_bwd_key_blocks_no_query_sees_get_zero_dk_dv():
+    """A window that leaves the last keys unseen: their CTAs load nothing and write dk = dv = 0."""
+    torch.manual_seed(31)
+    q = torch.randn(1, 100, 2, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(1, 700, 2, 128, 128, torch.bfloat16)
+    args = _args(128, window_left=10, window_right=20)  # query i sees keys [i + 590, i + 620]
+    dq, dk, dv = _check(q, k, v, args)
+    assert (dk[:, :512] == 0).all() and (dv[:, :512] == 0).all()
+
+
+def test_sm90_bwd_non_contiguous_q_from_packed_qkv():
+    torch.manual_seed(11)
+    qkv = torch.randn(2, 390, 3, 4, 64, dtype=torch.bfloat16, device="cuda")
+    q = qkv[:, :, 0]
+    k = torch.randn(2, 390, 4, 64 + 32, dtype=torch.bfloat16, device="cuda")[..., :64]
+    v = torch.randn(2, 390, 8, 64, dtype=torch.bfloat16, device="cuda")[:, :, ::2]
+    assert len({q.stride(1), k.stride(1), v.stride(1)}) == 3
+    _check(q, k, v, _args(64, causal=True, window_right=0))
+
+
+def test_sm90_bwd_expanded_dout_is_accepted():
+    """The gradient of out.sum() arrives as a stride-0 expanded view."""
+    torch.manual_seed(29)
+    q = torch.randn(1, 100, 2, 64, dtype=torch.float16, device="cuda")
+    k, v = nan_framed_kv(1, 120, 2, 64, 64, torch.float16)
+    args = _args(64)
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = torch.ones((), dtype=q.dtype, device="cuda").expand(out.shape)
+    grads = _run(q, k, v, out, lse, dout, None, args)
+    check_backward(grads, dout, None, q, k, v, out, lse, args)
+
+
+def test_sm90_bwd_offsets_beyond_4gib():
+    """K, V, dK and dV of more than 2^31 elements: batch 1 starts 4 GiB into each buffer. Its dk
+    and dv must be bit-identical to the same call on a copy of batch 1 alone (their sums have a
+    fixed order), and its dq equal up to the order of the atomic fp32 additions; a 32-bit offset
+    wrapping back into batch 0 would give other numbers altogether."""
+    torch.manual_seed(5)
+    seqlen_k = (1 << 20) + 64
+    q = torch.randn(2, 70, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert k.numel() > 2**31
+    args = _args(128, causal=True, window_right=0)
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = torch.randn_like(out)
+    dq, dk, dv = _run(q, k, v, out, lse, dout, None, args)
+    alone_dq, alone_dk, alone_dv = _run(*(t[1:].clone() for t in (q, k, v, out, lse, dout)), None, args)
+    assert torch.equal(dk[1:], alone_dk) and torch.equal(dv[1:], alone_dv)
+    scale = alone_dq.abs().max().item()
+    assert scale > 0 and alone_dk.abs().max().item() > 0
+    assert (dq[1:] - alone_dq).abs().max().item() <= 2**-6 * scale
+
+
+def test_sm90_bwd_matches_the_sm80_kernels():
+    """The two backward kernels on one call: the same gradients up to rounding (both are checked
+    against the oracle above; this catches a difference the tolerance might let through)."""
+    from cute_flash.backends.cute import CuteSm80Backend
+
+    torch.manual_seed(3)
+    q = torch.randn(2, 700, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(2, 900, 2, 128, 128, torch.bfloat16)
+    args = _args(128, causal=True, window_right=0)
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = torch.randn_like(out)
+    grads90 = _run(q, k, v, out, lse, dout, None, args)
+    grads80 = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    backend_or_skip(CuteSm80Backend).bwd(dout, q, k, v, out, lse, None, *grads80, args, False)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dq", "dk", "dv"), grads90, grads80):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=lambda m, name=name: f"{name}: {m}")

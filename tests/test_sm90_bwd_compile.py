@@ -1,0 +1,154 @@
+"""The sm_90 backward kernel on the CPU: configuration table, the choice of configurations for a
+call, what it refuses, how the cute-sm90 backend reaches it, and compiles for sm_90a without
+spills, with HGMMA, TMA loads and setmaxnreg, and without serialized WGMMAs. (`python -m
+cute_flash.audit --arch sm_90a --module cute_flash.kernels.sm90.bwd_config` audits every shipped
+configuration.)"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields, replace
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+
+from cute_flash.backends.base import AttnArgs  # noqa: E402
+from cute_flash.kernels.sm90 import bwd_config as bc  # noqa: E402
+from kernel_flag_cases import FLAG_CASES, expected_flags, flags_of
+
+
+@pytest.mark.parametrize("headdim", bc.TILE_HEADDIMS)
+def test_sm90_bwd_tile_table_fits_shared_memory_and_registers(headdim):
+    config = bc.make_config("bfloat16", headdim, headdim)
+    assert config.smem_bytes <= bc.SMEM_LIMIT
+    assert config.tile_n == 64 * bc.NUM_CONSUMER_WGS
+    consumer, producer = config.registers
+    assert 128 * producer + 128 * bc.NUM_CONSUMER_WGS * consumer <= 64 * 1024
+    # the dQ GEMM takes the query block as its M: one m64 WGMMA per consumer warpgroup
+    assert config.tile_m == 64
+
+
+@pytest.mark.parametrize("d,tile", [(8, 64), (64, 64), (72, 96), (96, 96), (120, 128), (128, 128)])
+def test_sm90_bwd_headdims_pad_up_to_the_next_tile(d, tile):
+    config = bc.make_config("float16", d, d)
+    assert (config.head_dim, config.head_dim_v) == (tile, tile)
+
+
+@pytest.mark.parametrize("d", [136, 192, 256])
+def test_sm90_bwd_headdims_above_128_are_refused_by_name(d):
+    with pytest.raises(NotImplementedError, match=str(d)):
+        bc.make_config("bfloat16", d, d)
+
+
+def test_sm90_bwd_refuses_a_headdim_of_v_that_differs_by_name():
+    with pytest.raises(NotImplementedError, match="64"):
+        bc.make_config("bfloat16", 128, 64)
+
+
+def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
+    configs = bc.shipped_configs()
+    assert len(configs) <= 12  # each one is compiled and audited
+    assert len({c.name for c in configs}) == len(configs) == len(set(configs))
+
+
+def test_sm90_bwd_config_names_tell_apart_every_flag():
+    base = bc.make_config("bfloat16", 64, 64)
+    for f in fields(base):
+        if isinstance(getattr(base, f.name), bool):
+            assert replace(base, **{f.name: not getattr(base, f.name)}).name != base.name, f.name
+
+
+def test_sm90_bwd_causal_and_local_exclude_each_other():
+    with pytest.raises(ValueError, match="causal"):
+        bc.make_config("float16", 64, 64, causal=True, local=True)
+
+
+@pytest.mark.parametrize("args,expected", FLAG_CASES)
+def test_sm90_bwd_call_selects_config_flags(args, expected):
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    q = torch.empty(1, 1, 1, 64, dtype=torch.float16)
+    pre, main, post = sm90_configs(q, q, q, None, args)
+    assert flags_of(main) == expected_flags(expected)
+    assert not pre.has_dlse and not pre.varlen_q and not post.varlen_q
+
+
+def test_sm90_bwd_call_with_dlse_and_varlen_selects_matching_pre_and_post():
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    q = torch.empty(10, 2, 80, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    pre, main, post = sm90_configs(q, q, q, torch.empty(2, 10), AttnArgs(0.1, cu_seqlens_q=cu, cu_seqlens_k=cu))
+    assert (main.head_dim, main.varlen_q, main.varlen_k) == (96, True, True)
+    assert (pre.head_dim_v, pre.check_hdim_v, pre.has_dlse, pre.varlen_q) == (128, True, True, True)
+    assert (post.head_dim, post.check_hdim, post.varlen_q) == (128, True, True)
+
+
+def test_sm90_bwd_refuses_deterministic_mode_by_name():
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    q = torch.empty(1, 8, 1, 64, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        sm90_configs(q, q, q, None, AttnArgs(0.1), deterministic=True)
+
+
+def test_sm90_bwd_row_statistics_have_16_byte_row_pitch_for_tma():
+    from cute_flash.backends.cute_bwd import _tma_row_stats
+
+    for shape in [(2, 3, 113), (4, 1), (3, 8)]:
+        t = _tma_row_stats(torch.empty(shape))
+        assert t.shape == shape and t.dtype == torch.float32 and t.stride(-1) == 1
+        assert all(s * 4 % 16 == 0 for s in t.stride()[:-1])
+
+
+def _q(d=64):
+    return torch.zeros(1, 8, 1, d, dtype=torch.float16)
+
+
+def test_sm90_native_backward_is_opt_in_and_takes_only_what_its_kernel_does():
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    assert CuteSm90Backend.native_backward is False  # until tests/gpu/test_bwd_sm90.py has passed
+    backend = CuteSm90Backend()
+    q = _q()
+    assert not backend.native_backward_takes(q, q, q, AttnArgs(0.1), False)
+    backend.native_backward = True
+    assert backend.native_backward_takes(q, q, q, AttnArgs(0.1, causal=True, window_right=0), False)
+    assert not backend.native_backward_takes(q, q, q, AttnArgs(0.1), True)  # deterministic
+    assert not backend.native_backward_takes(_q(256), _q(256), _q(256), AttnArgs(0.1), False)
+    assert not backend.native_backward_takes(q, q, _q(128), AttnArgs(0.1), False)  # head dim of V
+
+
+def test_sm90_bwd_audit_targets_cover_every_shipped_config():
+    targets = bc.audit_targets("sm_90a")
+    assert [t.name for t in targets] == [c.name for c in bc.shipped_configs()]
+    assert bc.audit_targets("sm_80") == []
+
+
+# ------------------------------------------------------------------------------------------------
+# compiles (each 5 to 15 seconds on one core); the audit covers every shipped configuration
+# ------------------------------------------------------------------------------------------------
+COMPILED = [
+    bc.make_config("bfloat16", 128, 128, causal=True),
+    bc.make_config("bfloat16", 128, 128, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
+    bc.make_config("float16", 72, 72),
+]
+
+
+@pytest.mark.parametrize("config", COMPILED, ids=[c.name for c in COMPILED])
+def test_sm90_bwd_compiles_without_spills_with_hgmma_tma_setmaxnreg_and_no_wgmma_serialization(config, tmp_path):
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    target = audit.AuditTarget(config.name, "sm_90a", lambda options: bc.compile_kernel(config, options))
+    row = audit.audit_target(target, keep_dir=tmp_path)
+    assert row.error is None, row.error
+    assert not row.spills, f"{row.spill_stores}/{row.spill_loads} bytes spilled, SASS {row.sass}"
+    assert row.sass["HGMMA"] and row.sass["UTMALDG"] and row.setmaxnreg, row.sass
+    assert row.smem_dynamic is None or row.smem_dynamic <= bc.SMEM_LIMIT
+    # ptxas serializes WGMMAs (waits after each) when it cannot keep their registers apart
+    remarks = (tmp_path / config.name / "remarks.yaml").read_text()
+    assert "wgmma.mma_async instructions are serialized" not in remarks
