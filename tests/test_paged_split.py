@@ -163,7 +163,7 @@ def test_api_refuses_unverified_paged_and_split_kv_naming_them(feature, monkeypa
         api._check_features(backend, args, q, k)
 
 
-@pytest.mark.parametrize("call", ["paged", "split", "plain", "heuristic", "decode", "decode_routed"])
+@pytest.mark.parametrize("call", ["paged", "split", "plain", "heuristic", "decode_routed"])
 def test_the_sm90_backend_runs_paged_and_split_calls_on_the_sm80_kernels(call, monkeypatch):
     from cute_flash import backends
     from cute_flash.backends.cute import CuteSm90Backend
@@ -178,9 +178,12 @@ def test_the_sm90_backend_runs_paged_and_split_calls_on_the_sm80_kernels(call, m
     q, k, args = _decode(num_splits={"split": 4, "heuristic": 0}.get(call, 1))
     if call != "paged":
         args.page_table = None
-    if call == "decode_routed":  # one token, 8 query heads over 2 KV heads
-        monkeypatch.setattr(sm90, "decode_on_sm80_kernels", True)
-    assert {"paged_kv", "split_kv"} <= sm90.features | sm90.unverified
+    # one token, 8 query heads over 2 KV heads: on the sm_80 kernels by default (packed, split);
+    # "plain" and "heuristic" turn that route off and run on the sm_90 kernel
+    assert CuteSm90Backend.decode_on_sm80_kernels
+    if call in ("plain", "heuristic"):
+        monkeypatch.setattr(sm90, "decode_on_sm80_kernels", False)
+    assert {"paged_kv", "split_kv"} <= sm90.features
     sm90.fwd(q, k, k, torch.empty(2, 1, 8, 64), None, args)
     assert ran == (["sm80"] if call in ("paged", "split", "decode_routed") else ["sm90"])
 

@@ -94,7 +94,7 @@ def _q(d=64):
     return torch.zeros(1, 8, 1, d, dtype=torch.float16)
 
 
-def test_deterministic_mode_has_its_own_kernel_and_waits_for_its_gpu_check():
+def test_deterministic_mode_has_its_own_kernel():
     from cute_flash.backends.cute import CuteSm80Backend
     from cute_flash.backends.cute_bwd import configs
 
@@ -102,8 +102,8 @@ def test_deterministic_mode_has_its_own_kernel_and_waits_for_its_gpu_check():
     _, main, _ = configs(q, q, q, None, AttnArgs(0.1), deterministic=True)
     assert main.deterministic and main.name.endswith("_det")
     assert not configs(q, q, q, None, AttnArgs(0.1))[1].deterministic
-    # the API keeps sending deterministic backwards to the reference until the GPU test has run
-    assert "deterministic" in CuteSm80Backend().backward_refusal(q, q, q, AttnArgs(0.1), True)
+    # checked on a GPU (tests/gpu/test_bwd_sm80.py), so the backend takes it
+    assert CuteSm80Backend().backward_refusal(q, q, q, AttnArgs(0.1), True) is None
 
 
 def test_backward_refuses_headdim_256_by_name():
@@ -115,14 +115,16 @@ def test_backward_refuses_headdim_256_by_name():
         backward(CuteSm80Backend(), q, q, q, q, q, torch.zeros(1, 1, 8), None, q, q, q, AttnArgs(0.1), False)
 
 
-def test_backward_is_offered_on_sm80_and_absent_on_sm90():
+def test_backward_is_offered_on_sm80_and_on_sm90_through_the_sm80_kernels():
     from cute_flash.backends.cute import CuteSm80Backend, CuteSm90Backend
 
-    assert "backward" in CuteSm80Backend.features and "backward" not in CuteSm80Backend.unverified
-    assert "backward" not in CuteSm90Backend.unverified | CuteSm90Backend.features
+    for cls in (CuteSm80Backend, CuteSm90Backend):
+        assert "backward" in cls.features and "backward" not in cls.unverified
     q = _q()
-    with pytest.raises(NotImplementedError, match="backward"):
-        CuteSm90Backend().bwd(q, q, q, q, q, torch.zeros(1, 1, 8), None, q, q, q, AttnArgs(0.1), False)
+    # cute-sm90 asks the sm_80 kernels, which take the call or say why not
+    assert CuteSm90Backend().backward_refusal(q, q, q, AttnArgs(0.1), False) is None
+    q256 = torch.zeros(1, 8, 2, 256, dtype=torch.float16)
+    assert "256" in CuteSm90Backend().backward_refusal(q256, q256, q256, AttnArgs(0.1), False)
 
 
 def test_kernel_cache_builds_backward_configs_through_the_config_module(tmp_path, monkeypatch):

@@ -161,3 +161,23 @@ def test_every_shipped_config_compiles_for_sm80_without_spills_with_hmma_ldsm_ld
     problems += [f"{row.name}: {op} missing from the SASS" for row in rows if row.error is None
                  for op in ("HMMA", "LDSM", "LDGSTS") if not row.sass[op]]
     assert not problems, "\n".join(problems)
+
+
+def test_calls_with_at_most_64_query_rows_take_the_short_query_tile():
+    """Decode-shaped calls (after GQA packing too) get SHORT_QUERY_TILES, the others TILES."""
+    from cute_flash.backends.base import AttnArgs
+    from cute_flash.backends.cute import CuteSm80Backend
+    from cute_flash.kernels.sm80 import fwd_config
+
+    backend = CuteSm80Backend()
+    k = torch.empty(2, 300, 2, 128, dtype=torch.bfloat16)
+    for seqlen_q, tiles in ((1, fwd_config.SHORT_QUERY_TILES), (64, fwd_config.SHORT_QUERY_TILES), (65, fwd_config.TILES)):
+        q = torch.empty(2, seqlen_q, 8, 128, dtype=torch.bfloat16)
+        config = backend.config(q, k, k, None, AttnArgs(0.1))
+        assert (config.tile_m, config.tile_n, config.num_warps, config.num_stages) == tiles[128][:4]
+    assert fwd_config.SHORT_QUERY_TILES[128] != fwd_config.TILES[128]
+    # varlen: the longest query sequence decides
+    q = torch.empty(70, 8, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 35, 70], dtype=torch.int32)
+    args = AttnArgs(0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=35, max_seqlen_k=35)
+    assert backend.config(q, q, q, None, args).tile_m == fwd_config.SHORT_QUERY_TILES[128].tile_m

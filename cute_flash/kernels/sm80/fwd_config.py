@@ -13,8 +13,10 @@ columns of fp32 output accumulators leave too few registers for the score tile a
 fragments (hd128 at 128x64 with 4 warps spills), so the large head dims use 16 rows per warp
 (hd96 and hd192 with a wider key tile and one K/V stage: with one stage K and V still have
 buffers of their own, so the copy of V overlaps S = Q K^T and the copy of the next K overlaps
-P V). hd128 at 128x128 with 8 warps and one stage is faster still on an H200 but spills in fp16
-with a causal mask, so hd128 takes 64x64 with 4 warps and two stages.
+P V). hd128 takes 128x128 with 8 warps and one stage, with ptxas told one CTA per SM is enough
+(without that hint it spills in fp16 with a causal mask): on an H200 (bf16, 2 x 8192 x 16 heads,
+`benchmarks/tune_tiles.py --arch sm_80 --head-dim 128`) 349.2 TFLOP/s against 325.1 for 64x64
+with 4 warps and two stages, 323.9 for 128x64 with 8 warps and 300.0 for 64x128 with 4 warps.
 """
 
 from __future__ import annotations
@@ -46,10 +48,16 @@ TILES = {
     32: Tile(128, 64, 4, 2),
     64: Tile(128, 64, 4, 2),
     96: Tile(128, 128, 8, 1),
-    128: Tile(64, 64, 4, 2, min_ctas_per_sm=1),
+    128: Tile(128, 128, 8, 1, min_ctas_per_sm=1),
     192: Tile(128, 64, 8, 1),
     256: Tile(64, 64, 4, 1),
 }
+# Calls whose queries per (sequence, head) fit in 64 rows (decode, packed GQA decode): most rows
+# of a 128-row tile would be empty, and the kernel streams keys; hd128 keeps the smaller tile
+# with two K/V stages there (measured on an H200 as packed-GQA decode at 3.85-4.40 TB/s with
+# batch 16-128; the other head dims use one tile for every call).
+SHORT_QUERY_TILES = {**TILES, 128: Tile(64, 64, 4, 2, min_ctas_per_sm=1)}
+SHORT_QUERY_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -102,16 +110,18 @@ class Sm80FwdConfig:
         return "_".join(["fwd_sm80", self.dtype, hd, tile] + flags)
 
 
-def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80FwdConfig:
+def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool = False, **flags) -> Sm80FwdConfig:
     """The shipped configuration for actual head dims (any multiples of 8 up to 256) and flags.
 
-    With split_kv the kernel writes partial LSEs and the combine the final one, so has_lse is
-    off: one forward kernel serves calls with and without return_lse.
+    `short_queries`: every (sequence, head) has at most SHORT_QUERY_ROWS query rows, as in
+    decode (the tile then comes from SHORT_QUERY_TILES). With split_kv the kernel writes partial
+    LSEs and the combine the final one, so has_lse is off: one forward kernel serves calls with
+    and without return_lse.
     """
     if flags.get("split_kv"):
         flags["has_lse"] = False
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
-    tile = TILES[max(hd, hdv)]
+    tile = (SHORT_QUERY_TILES if short_queries else TILES)[max(hd, hdv)]
     return Sm80FwdConfig(
         dtype=dtype,
         head_dim=hd,
@@ -151,8 +161,10 @@ def shipped_configs() -> list:
     # inference: the paged split-KV decode kernel per large head dim, paged alone (the table's
     # full capacity as the key length), and split-KV over packed keys
     for d in (64, 128, 256):
-        configs.append(make_config("bfloat16", d, d, paged_kv=True, seqused_k=True, split_kv=True))
+        configs.append(make_config("bfloat16", d, d, short_queries=True, paged_kv=True, seqused_k=True, split_kv=True))
     configs += [
+        make_config("bfloat16", 128, 128, short_queries=True),
+        make_config("float16", 128, 128, short_queries=True, causal=True, seqused_k=True),
         make_config("float16", 128, 128, paged_kv=True, causal=True),
         make_config("bfloat16", 128, 128, split_kv=True, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("float16", 40, 40, paged_kv=True, varlen_q=True, split_kv=True, local=True),
