@@ -103,6 +103,22 @@ def test_sm90_bwd_row_statistics_have_16_byte_row_pitch_for_tma():
         assert all(s * 4 % 16 == 0 for s in t.stride()[:-1])
 
 
+@pytest.mark.parametrize("varlen_q", [False, True])
+def test_sm90_bwd_row_statistic_boxes_cover_a_query_block_from_a_16_byte_aligned_row(varlen_q):
+    """A TMA box starting off a 16-byte boundary of its innermost dimension is an illegal
+    instruction: a varlen block's LSE / D rows start at any row, so its box starts at the aligned
+    row below (up to STAT_ALIGN - 1 early) and must still reach the block's last row; each stage
+    of the buffer starts 128-byte aligned, as TMA writes shared memory."""
+    config = bc.make_config("bfloat16", 64, 64, varlen_q=varlen_q, varlen_k=varlen_q)
+    early = bc.STAT_ALIGN - 1 if varlen_q else 0
+    assert bc.STAT_ALIGN * 4 == 16 and config.tile_m % bc.STAT_ALIGN == 0
+    assert config.stat_box >= config.tile_m + early and config.stat_box * 4 % 16 == 0
+    assert config.stat_stage_stride >= config.stat_box and config.stat_stage_stride * 4 % 128 == 0
+    for offset_q in range(9) if varlen_q else [0]:  # a fixed-length batch's blocks start at row 0
+        first = offset_q - offset_q % bc.STAT_ALIGN
+        assert first * 4 % 16 == 0 and first + config.stat_box >= offset_q + config.tile_m
+
+
 def _q(d=64):
     return torch.zeros(1, 8, 1, d, dtype=torch.float16)
 

@@ -8,7 +8,10 @@ formed in registers and dK/dV are written once, in the input dtype.
 1. Producer (warpgroup 0, which gives its registers away with `setmaxnreg`): its first warp
    loads K and V once, then (Q, dO, LSE_log2, D) of each query block into a `num_stages`-deep
    ring guarded by mbarriers (`PipelineTmaAsync`), all by TMA. TMA clips at the tensor bounds
-   and zero-fills, so nothing outside the tensors is ever read.
+   and zero-fills, so nothing outside the tensors is ever read. A box must start 16-byte
+   aligned in its innermost dimension: for Q, dO, K and V that is the head dim (from 0); the
+   LSE / D rows of a varlen sequence start anywhere, so their box starts up to 3 rows early
+   (`stat_block`).
 2. Consumers (warpgroups 1 and 2, each owning 64 of the keys). Everything is computed
    transposed (keys x queries), so that the probabilities come out of the WGMMA in the layout of
    the register A operand of the key-side products and never touch shared memory:
@@ -59,7 +62,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import wgmma_smem_layout_tile
 from ..common.utils import acc_mn_view, elem_pointer, exp2f, tanhf
-from .bwd_config import NUM_CONSUMER_WGS, Sm90BwdConfig
+from .bwd_config import NUM_CONSUMER_WGS, STAT_ALIGN, Sm90BwdConfig
 from .fwd import FlashFwdSm90, tma_view
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
 
@@ -122,7 +125,7 @@ class FlashBwdSm90:
         sK_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim)
         sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v)
         sdS_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.tile_m)
-        sStat_layout = cute.make_layout((cfg.tile_m, cfg.num_stages))
+        sStat_layout = cute.make_layout((cfg.stat_box, cfg.num_stages), stride=(1, cfg.stat_stage_stride))
 
         @cute.struct
         class SharedStorage:
@@ -150,8 +153,8 @@ class FlashBwdSm90:
             load, tma_view(mV, cfg.varlen_k), sV_layout, (cfg.tile_n, cfg.head_dim_v)
         )
         stat_tile = cute.select(sStat_layout, mode=[0])
-        tma_LSE, tma_mLSE = cpasync.make_tiled_tma_atom(load, stats_view(mLSE, cfg.varlen_q), stat_tile, (cfg.tile_m,))
-        tma_D, tma_mD = cpasync.make_tiled_tma_atom(load, stats_view(mD, cfg.varlen_q), stat_tile, (cfg.tile_m,))
+        tma_LSE, tma_mLSE = cpasync.make_tiled_tma_atom(load, stats_view(mLSE, cfg.varlen_q), stat_tile, (cfg.stat_box,))
+        tma_D, tma_mD = cpasync.make_tiled_tma_atom(load, stats_view(mD, cfg.varlen_q), stat_tile, (cfg.stat_box,))
 
         K_major, MN_major = OperandMajorMode.K, OperandMajorMode.MN
         wgs = (NUM_CONSUMER_WGS, 1, 1)  # each consumer warpgroup takes 64 of the keys
@@ -249,7 +252,7 @@ class FlashBwdSm90:
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=cfg.num_stages, producer_group=producer,
             consumer_group=consumers,
-            tx_count=cfg.tile_m * (cfg.head_dim + cfg.head_dim_v) * elem_bytes + 2 * cfg.tile_m * 4,
+            tx_count=cfg.tile_m * (cfg.head_dim + cfg.head_dim_v) * elem_bytes + 2 * cfg.stat_box * 4,
             defer_sync=True,
         )
         pipeline.pipeline_init_arrive()
@@ -347,8 +350,8 @@ class FlashBwdSm90:
                                  (cfg.tile_m, cfg.head_dim), (m_block, 0))
             gdO = cute.local_tile(rows(tma_mdO, cfg.varlen_q, seqlen.offset_q, batch, head),
                                   (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
-            gLSE = cute.local_tile(self.stat_rows(tma_mLSE, seqlen.offset_q, batch, head), (cfg.tile_m,), (m_block,))
-            gD = cute.local_tile(self.stat_rows(tma_mD, seqlen.offset_q, batch, head), (cfg.tile_m,), (m_block,))
+            gLSE = self.stat_block(tma_mLSE, seqlen.offset_q, batch, head, m_block)
+            gD = self.stat_block(tma_mD, seqlen.offset_q, batch, head, m_block)
             tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one_cta, cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
             tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one_cta, cute.group_modes(sdO, 0, 2),
@@ -366,11 +369,16 @@ class FlashBwdSm90:
             state.advance()
 
     @cute.jit
-    def stat_rows(self, tma_mX: cute.Tensor, offset, batch, head) -> cute.Tensor:
-        """(tokens,) of one (batch, head) of a `stats_view` tensor."""
-        if cutlass.const_expr(self.cfg.varlen_q):
-            return cute.domain_offset((offset,), tma_mX[None, head])
-        return tma_mX[None, head, batch]
+    def stat_block(self, tma_mX: cute.Tensor, offset, batch, head, m_block) -> cute.Tensor:
+        """The TMA box of LSE / D rows of query block `m_block` of one (batch, head) of a
+        `stats_view` tensor. In a varlen batch it starts at the 16-byte-aligned row at or below the
+        block's first (`offset % STAT_ALIGN` rows early, see `bwd_config.py`): a box that starts
+        elsewhere is an illegal instruction."""
+        cfg = self.cfg
+        if cutlass.const_expr(cfg.varlen_q):
+            first = offset - offset % STAT_ALIGN + m_block * cfg.tile_m
+            return cute.local_tile(cute.domain_offset((first,), tma_mX[None, head]), (cfg.stat_box,), (0,))
+        return cute.local_tile(tma_mX[None, head, batch], (cfg.tile_m,), (m_block,))
 
     # ------------------------------------------------------------------------------------------
     # consumers
@@ -437,6 +445,11 @@ class FlashBwdSm90:
 
             offset = seqlen.seqlen_k - seqlen.seqlen_q
             n_lo = n_block * cfg.tile_n
+            # this thread's first query in the LSE / D buffers, which start `offset_q % STAT_ALIGN`
+            # rows early in a varlen batch (`stat_block`)
+            stat_query = thr_query
+            if cutlass.const_expr(cfg.varlen_q):
+                stat_query = thr_query + seqlen.offset_q % STAT_ALIGN
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             for it in cutlass.range(m_steps * group, unroll=1):
                 head = head_k * group + it // m_steps
@@ -460,8 +473,8 @@ class FlashBwdSm90:
                 if cutlass.const_expr(cfg.local):
                     masked = masked | (n_lo < m_lo + cfg.tile_m - 1 + offset - left)
                 # this thread's LSE and D: its first query's entry + thread 0's column (immediates)
-                sLSE_thr = cute.domain_offset((thr_query,), sLSE[None, stage])
-                sD_thr = cute.domain_offset((thr_query,), sD[None, stage])
+                sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
+                sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
                 if masked:
                     # a (key, query) pair of this thread is key0 + k, query0 + q with (k, q) thread
                     # 0's coordinates; the limits below move this thread's part to the right side

@@ -18,7 +18,12 @@ by name (`UnsupportedHeadDim`), as is a head dim of V that differs from Q's.
 
 Shared memory: K and V of the CTA, `num_stages` buffers of (Q, dO, LSE, D) and dS^T:
 2 * (tile_n * (d + dv) + stages * tile_m * (d + dv) + tile_n * tile_m) bytes + 8 * stages *
-tile_m, about 147 KB at head dim 128 with 2 stages.
+`stat_stage_stride`, about 147 KB at head dim 128 with 2 stages.
+
+The LSE and D rows of a query block come by TMA too. In a fixed-length batch a block starts at a
+multiple of `tile_m` rows, which is 16-byte aligned; in a varlen batch it starts at
+cu_seqlens_q[b] + m * tile_m, any row, so there the box starts at the multiple of `STAT_ALIGN` at
+or below and is `STAT_ALIGN` rows longer (`stat_box`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ SMEM_LIMIT = 227 * 1024
 NUM_CONSUMER_WGS = 2
 # setmaxnreg budgets (consumer, producer): 128 * (24 + 2 * 240) <= 64K registers of an SM
 REGISTERS = (240, 24)
+# A TMA box must start at a 16-byte-aligned address of its innermost dimension (4 floats of the
+# LSE / D rows); the hardware stops the kernel with an illegal instruction otherwise.
+STAT_ALIGN = 4
 
 
 class BwdTile(NamedTuple):
@@ -80,11 +88,23 @@ class Sm90BwdConfig:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
 
     @property
+    def stat_box(self) -> int:
+        """LSE / D rows per TMA box: `tile_m`, and `STAT_ALIGN` more where a box may start up to
+        `STAT_ALIGN - 1` rows early (varlen)."""
+        return self.tile_m + (STAT_ALIGN if self.varlen_q else 0)
+
+    @property
+    def stat_stage_stride(self) -> int:
+        """Floats between two stages of the LSE / D buffers: TMA writes shared memory at
+        128-byte-aligned addresses."""
+        return -(-self.stat_box // 32) * 32
+
+    @property
     def smem_bytes(self) -> int:
         k_v = self.tile_n * (self.head_dim + self.head_dim_v)
         q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
         ds = self.tile_n * self.tile_m
-        lse_d = 2 * 4 * self.num_stages * self.tile_m
+        lse_d = 2 * 4 * self.num_stages * self.stat_stage_stride
         return 2 * (k_v + q_do + ds) + lse_d + 1024  # + mbarriers and alignment
 
     @property
