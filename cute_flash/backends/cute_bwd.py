@@ -15,7 +15,8 @@ through a turn counter per (batch, head, query block), so dQ is the same on ever
 `backward_sm90` is the same three steps with the sm_90 main kernel (`kernels/sm90/bwd.py`: TMA,
 WGMMA, warp-specialized) between the same preprocess and postprocess kernels. Its kernel loads
 the LSE and D rows by TMA, whose global strides must be multiples of 16 bytes, so their buffers
-here have a row pitch padded to 4 floats. It has no deterministic mode yet.
+here have a row pitch padded to 4 floats (a box must also start 16-byte aligned: the kernel
+starts a varlen sequence's up to 3 rows early). It has no deterministic mode yet.
 """
 
 from __future__ import annotations

@@ -152,9 +152,9 @@ class FlashBwdSm90:
         tma_V, tma_mV = cpasync.make_tiled_tma_atom(
             load, tma_view(mV, cfg.varlen_k), sV_layout, (cfg.tile_n, cfg.head_dim_v)
         )
-        stat_tile = cute.select(sStat_layout, mode=[0])
-        tma_LSE, tma_mLSE = cpasync.make_tiled_tma_atom(load, stats_view(mLSE, cfg.varlen_q), stat_tile, (cfg.stat_box,))
-        tma_D, tma_mD = cpasync.make_tiled_tma_atom(load, stats_view(mD, cfg.varlen_q), stat_tile, (cfg.stat_box,))
+        stat_tile, stat_box = cute.select(sStat_layout, mode=[0]), (cfg.stat_box,)
+        tma_LSE, tma_mLSE = cpasync.make_tiled_tma_atom(load, stats_view(mLSE, cfg.varlen_q), stat_tile, stat_box)
+        tma_D, tma_mD = cpasync.make_tiled_tma_atom(load, stats_view(mD, cfg.varlen_q), stat_tile, stat_box)
 
         K_major, MN_major = OperandMajorMode.K, OperandMajorMode.MN
         wgs = (NUM_CONSUMER_WGS, 1, 1)  # each consumer warpgroup takes 64 of the keys
