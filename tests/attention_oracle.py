@@ -100,6 +100,18 @@ def check_forward(out, lse, q, k, v, args: AttnArgs):
     return ref, ref_lse
 
 
+def inputs_beyond_4gib() -> tuple:
+    """q (2, 70, 8, 128) and k, v (2, 2^20 + 64, 8, 128), bf16 on the GPU, seeded: more than 2^31
+    elements in k and in v, so batch 1 starts 4 GiB into each."""
+    torch.manual_seed(5)
+    seqlen_k = (1 << 20) + 64
+    q = torch.randn(2, 70, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert k.numel() > 2**31
+    return q, k, v
+
+
 def check_offsets_beyond_4gib(backend) -> None:
     """K and V of more than 2^31 elements: batch 1 starts 4 GiB into each buffer.
 
@@ -108,12 +120,7 @@ def check_offsets_beyond_4gib(backend) -> None:
     row sum; and batch 1 must be bit-identical to the same call on a copy of it alone, which a
     32-bit offset wrapping back into batch 0 would break.
     """
-    torch.manual_seed(5)
-    seqlen_k = (1 << 20) + 64
-    q = torch.randn(2, 70, 8, 128, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
-    assert k.numel() > 2**31
+    q, k, v = inputs_beyond_4gib()
     args = AttnArgs(softmax_scale=128**-0.5, causal=True, window_right=0)
     out, lse = run_forward(backend, q, k, v, args)
     check_forward(out[1:], lse[1:], q[1:], k[1:], v[1:], args)

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from attention_oracle import backend_or_skip, check_backward, nan_framed_kv, randn_in_nan
+from attention_oracle import backend_or_skip, check_backward, inputs_beyond_4gib, nan_framed_kv, randn_in_nan
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention
 
@@ -209,12 +209,7 @@ def test_sm90_bwd_offsets_beyond_4gib():
     and dv must be bit-identical to the same call on a copy of batch 1 alone (their sums have a
     fixed order), and its dq equal up to the order of the atomic fp32 additions; a 32-bit offset
     wrapping back into batch 0 would give other numbers altogether."""
-    torch.manual_seed(5)
-    seqlen_k = (1 << 20) + 64
-    q = torch.randn(2, 70, 8, 128, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn(2, seqlen_k, 8, 128, dtype=torch.bfloat16, device="cuda")
-    assert k.numel() > 2**31
+    q, k, v = inputs_beyond_4gib()
     args = _args(128, causal=True, window_right=0)
     ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
     out, lse = ref_out.to(q.dtype), ref_lse.float()

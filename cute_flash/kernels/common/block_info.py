@@ -13,9 +13,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cutlass
+import cutlass.cute as cute
 from cutlass import Int32
 
 from .seqlen_info import SeqlenInfo
+
+
+@cute.jit
+def effective_window(seqlen: SeqlenInfo, window_left, window_right, local: cutlass.Constexpr[bool]):
+    """The window sizes as BlockInfo and the masks take them: with a sliding window (`local`) an
+    unbounded side (-1) becomes seqlen_q + seqlen_k; otherwise they pass through unchanged."""
+    left, right = window_left, window_right
+    if cutlass.const_expr(local):
+        unbounded = seqlen.seqlen_q + seqlen.seqlen_k
+        left = window_left if window_left >= 0 else unbounded
+        right = window_right if window_right >= 0 else unbounded
+    return left, right
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,24 @@ class BlockInfo:
             col_begin = cutlass.max(m_block * self.tile_m + offset - self.window_left, 0)
             n_block_min = col_begin // self.tile_n
         return n_block_min, n_block_max
+
+    def m_block_range(self, seqlen: SeqlenInfo, n_block: Int32):
+        """[m_block_min, m_block_max): the query blocks with a row that sees at least one key of
+        key block `n_block` (the backward's loop); m_block_max may fall below m_block_min."""
+        offset = seqlen.seqlen_k - seqlen.seqlen_q  # query i is aligned with key i + offset
+        num_m_blocks = (seqlen.seqlen_q + self.tile_m - 1) // self.tile_m
+        m_block_min = Int32(0)
+        m_block_max = num_m_blocks
+        n_lo = n_block * self.tile_n
+        if cutlass.const_expr(self.is_causal or self.is_local):
+            # key j is seen by queries i >= j - offset - right
+            right = Int32(0) if cutlass.const_expr(self.is_causal) else self.window_right
+            m_block_min = cutlass.max(n_lo - offset - right, 0) // self.tile_m
+        if cutlass.const_expr(self.is_local):
+            # ... and i <= j - offset + left
+            last_row = cutlass.min(n_lo + self.tile_n, seqlen.seqlen_k) - 1 - offset + self.window_left
+            m_block_max = cutlass.min(num_m_blocks, (cutlass.max(last_row, -1) + self.tile_m) // self.tile_m)
+        return m_block_min, m_block_max
 
     def n_block_right_masked(self, seqlen: SeqlenInfo, m_block: Int32) -> Int32:
         """First key block that some row of the tile sees only partly on its right edge."""

@@ -37,6 +37,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
+from ..common.block_info import BlockInfo, effective_window
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import smem_layout_tile, smem_layout_transposed, swizzle_params
 from ..common.utils import (
@@ -269,25 +270,13 @@ class FlashBwdSm80:
 
         # ---- the query blocks that see at least one of these keys ----
         offset = seqlen.seqlen_k - seqlen.seqlen_q  # query i is aligned with key i + offset
-        left, right = window_left, window_right
-        if cutlass.const_expr(cfg.local):
-            unbounded = seqlen.seqlen_q + seqlen.seqlen_k
-            left = window_left if window_left >= 0 else unbounded
-            right = window_right if window_right >= 0 else unbounded
-        elif cutlass.const_expr(cfg.causal):
+        left, right = effective_window(seqlen, window_left, window_right, cfg.local)
+        if cutlass.const_expr(cfg.causal):
             right = Int32(0)
-        num_m_blocks = (seqlen.seqlen_q + cfg.tile_m - 1) // cfg.tile_m
-        m_block_min = Int32(0)
-        m_block_max = num_m_blocks
-        n_lo = n_block * cfg.tile_n
-        if cutlass.const_expr(cfg.causal or cfg.local):
-            # key j is seen by queries i >= j - offset - right
-            m_block_min = cutlass.max(n_lo - offset - right, 0) // cfg.tile_m
-        if cutlass.const_expr(cfg.local):
-            # ... and i <= j - offset + left
-            last_row = cutlass.min(n_lo + cfg.tile_n, seqlen.seqlen_k) - 1 - offset + left
-            m_block_max = cutlass.min(num_m_blocks, (cutlass.max(last_row, -1) + cfg.tile_m) // cfg.tile_m)
+        block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
+        m_block_min, m_block_max = block_info.m_block_range(seqlen, n_block)
         m_steps = cutlass.max(m_block_max - m_block_min, 0)
+        n_lo = n_block * cfg.tile_n  # the first key of this block
 
         for it in cutlass.range(m_steps * group, unroll=1):
             head = head_k * group + it // m_steps

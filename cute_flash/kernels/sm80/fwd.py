@@ -39,7 +39,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
-from ..common.block_info import BlockInfo
+from ..common.block_info import BlockInfo, effective_window
 from ..common.mask import AttentionMask
 from ..common.paged import PagedKV
 from ..common.seqlen_info import SeqlenInfo
@@ -270,12 +270,7 @@ class FlashFwdSm80:
         t0ScS_mn = acc_mn_view(tiled_mma.get_slice(0).partition_C(cS))
 
         # ---- masks and block range ----
-        window_left_eff = window_left
-        window_right_eff = window_right
-        if cutlass.const_expr(cfg.local):
-            unbounded = seqlen.seqlen_q + seqlen.seqlen_k
-            window_left_eff = window_left if window_left >= 0 else unbounded
-            window_right_eff = window_right if window_right >= 0 else unbounded
+        window_left_eff, window_right_eff = effective_window(seqlen, window_left, window_right, cfg.local)
         block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, window_left_eff, window_right_eff)
         mask = AttentionMask(
             cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff, window_right_eff

@@ -59,6 +59,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
+from ..common.block_info import BlockInfo, effective_window
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import wgmma_smem_layout_tile
 from ..common.utils import acc_mn_view, elem_pointer, exp2f, tanhf
@@ -268,14 +269,12 @@ class FlashBwdSm90:
 
         n_block, head_k, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-        left, right = window_left, window_right
-        if cutlass.const_expr(cfg.local):
-            unbounded = seqlen.seqlen_q + seqlen.seqlen_k
-            left = window_left if window_left >= 0 else unbounded
-            right = window_right if window_right >= 0 else unbounded
-        elif cutlass.const_expr(cfg.causal):
+        left, right = effective_window(seqlen, window_left, window_right, cfg.local)
+        if cutlass.const_expr(cfg.causal):
             right = Int32(0)
-        m_block_min, m_steps = self.m_block_range(seqlen, n_block, left, right)
+        block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
+        m_block_min, m_block_max = block_info.m_block_range(seqlen, n_block)
+        m_steps = cutlass.max(m_block_max - m_block_min, 0)
         num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
         group = num_heads // num_heads_k
@@ -299,25 +298,6 @@ class FlashBwdSm90:
                     group, m_block_min, m_steps, left, right, softmax_scale, softmax_scale_log2,
                     softcap_prescale,
                 )
-
-    @cute.jit
-    def m_block_range(self, seqlen: SeqlenInfo, n_block, left, right):
-        """(first query block, number of query blocks) that see at least one key of `n_block`;
-        `left`, `right` are the effective window (see `kernels/common/block_info.py`)."""
-        cfg = self.cfg
-        offset = seqlen.seqlen_k - seqlen.seqlen_q  # query i is aligned with key i + offset
-        num_m_blocks = (seqlen.seqlen_q + cfg.tile_m - 1) // cfg.tile_m
-        m_block_min = Int32(0)
-        m_block_max = num_m_blocks
-        n_lo = n_block * cfg.tile_n
-        if cutlass.const_expr(cfg.causal or cfg.local):
-            # key j is seen by queries i >= j - offset - right
-            m_block_min = cutlass.max(n_lo - offset - right, 0) // cfg.tile_m
-        if cutlass.const_expr(cfg.local):
-            # ... and i <= j - offset + left
-            last_row = cutlass.min(n_lo + cfg.tile_n, seqlen.seqlen_k) - 1 - offset + left
-            m_block_max = cutlass.min(num_m_blocks, (cutlass.max(last_row, -1) + cfg.tile_m) // cfg.tile_m)
-        return m_block_min, cutlass.max(m_block_max - m_block_min, 0)
 
     # ------------------------------------------------------------------------------------------
     # producer

@@ -42,7 +42,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
-from ..common.block_info import BlockInfo
+from ..common.block_info import BlockInfo, effective_window
 from ..common.mask import AttentionMask
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
@@ -226,11 +226,7 @@ class FlashFwdSm90:
             # Query blocks near the end see the most keys: launch them first.
             m_block = cute.arch.grid_dim()[0] - 1 - block_x
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-        window_left_eff, window_right_eff = window_left, window_right
-        if cutlass.const_expr(cfg.local):
-            unbounded = seqlen.seqlen_q + seqlen.seqlen_k
-            window_left_eff = window_left if window_left >= 0 else unbounded
-            window_right_eff = window_right if window_right >= 0 else unbounded
+        window_left_eff, window_right_eff = effective_window(seqlen, window_left, window_right, cfg.local)
         block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, window_left_eff, window_right_eff)
         n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
 
