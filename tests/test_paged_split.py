@@ -30,6 +30,21 @@ def test_call_with_page_table_selects_the_paged_kernel():
     assert config.paged_kv and config.seqused_k and not config.varlen_k and not config.split_kv
 
 
+@pytest.mark.parametrize("page_size,pow2", [(1, True), (16, True), (64, True), (256, True), (24, False), (100, False)])
+def test_power_of_two_page_sizes_select_the_shift_and_mask_gather(page_size, pow2):
+    q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16)
+    k = torch.empty(10, page_size, 2, 128, dtype=torch.bfloat16)
+    args = AttnArgs(0.1, page_table=torch.zeros(2, 4, dtype=torch.int32))
+    config = CuteSm80Backend().config(q, k, k, None, args)
+    assert config.paged_kv and config.page_size_pow2 == pow2
+    assert ("page_size_pow2" in config.name) == pow2
+
+
+def test_page_size_pow2_needs_a_paged_cache():
+    with pytest.raises(ValueError, match="page_size_pow2"):
+        fc.make_config("bfloat16", 128, 128, page_size_pow2=True)
+
+
 def test_split_kv_config_leaves_the_lse_to_the_combine():
     config = fc.make_config("bfloat16", 128, 128, split_kv=True)
     assert config.split_kv and not config.has_lse

@@ -78,6 +78,7 @@ class Sm80FwdConfig:
     varlen_k: bool = False
     seqused_k: bool = False
     paged_kv: bool = False  # k/v are (num_pages, page_size, hk, d) and rows are gathered per page
+    page_size_pow2: bool = False  # with paged_kv: page_size is a power of two (shift and mask, no division)
     split_kv: bool = False  # each split of the keys writes float32 partial O and LSE (mO/mLSE unused)
     has_lse: bool = True
     min_ctas_per_sm: int = 0
@@ -86,6 +87,8 @@ class Sm80FwdConfig:
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
         if self.paged_kv and self.varlen_k:
             raise ValueError("paged_kv and varlen_k exclude each other (a paged cache has no cu_seqlens_k)")
+        if self.page_size_pow2 and not self.paged_kv:
+            raise ValueError("page_size_pow2 needs paged_kv")
         if self.num_stages not in (1, 2):
             raise ValueError(f"num_stages must be 1 or 2; got {self.num_stages}")
 
@@ -97,7 +100,8 @@ class Sm80FwdConfig:
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "paged_kv", "split_kv")
+        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "paged_kv",
+                             "page_size_pow2", "split_kv")
                  if getattr(self, f)]
         if self.check_hdim:
             flags.append("padded")
@@ -160,12 +164,14 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64)]
     # inference: the paged split-KV decode kernel per large head dim, paged alone (the table's
     # full capacity as the key length), and split-KV over packed keys
+    # (power-of-two pages, as caches usually have; the last one gathers with a division)
     for d in (64, 128, 256):
-        configs.append(make_config("bfloat16", d, d, short_queries=True, paged_kv=True, seqused_k=True, split_kv=True))
+        configs.append(make_config("bfloat16", d, d, short_queries=True, paged_kv=True, page_size_pow2=True,
+                                   seqused_k=True, split_kv=True))
     configs += [
         make_config("bfloat16", 128, 128, short_queries=True),
         make_config("float16", 128, 128, short_queries=True, causal=True, seqused_k=True),
-        make_config("float16", 128, 128, paged_kv=True, causal=True),
+        make_config("float16", 128, 128, paged_kv=True, page_size_pow2=True, causal=True),
         make_config("bfloat16", 128, 128, split_kv=True, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("float16", 40, 40, paged_kv=True, varlen_q=True, split_kv=True, local=True),
     ]
