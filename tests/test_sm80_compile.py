@@ -59,8 +59,8 @@ def test_config_names_tell_apart_every_flag():
     plain = fc.make_config("bfloat16", 64, 64)
     for f in fields(plain):
         if isinstance(getattr(plain, f.name), bool):
-            # page_size_pow2 exists only with paged_kv
-            base = replace(plain, paged_kv=True) if f.name == "page_size_pow2" else plain
+            # the page flags exist only with paged_kv
+            base = replace(plain, paged_kv=True) if f.name in ("page_size_pow2", "pages_hold_tiles") else plain
             assert replace(base, **{f.name: not getattr(base, f.name)}).name != base.name, f.name
 
 

@@ -288,15 +288,9 @@ class _CuteBackend(Backend):
             v.shape[-1],
             **kernel_flags(args),
             has_lse=lse is not None,
-            **(self.paged_flags(k) if args.page_table is not None else {}),
+            **({"page_size": k.shape[1]} if args.page_table is not None else {}),
             **self.tile_hints(q, args),
         )
-
-    @staticmethod
-    def paged_flags(k: torch.Tensor) -> dict:
-        """Configuration flags of a paged cache k (num_pages, page_size, heads_k, d)."""
-        page_size = k.shape[1]
-        return {"paged_kv": True, "page_size_pow2": page_size > 0 and page_size & (page_size - 1) == 0}
 
     def tile_hints(self, q, args: AttnArgs) -> dict:
         """Arguments of the kernel package's `make_config` that pick a tile from the call's shape."""

@@ -15,6 +15,11 @@ The lookup (`lookup`) and the copy (`load_tile`) are separate steps so that the 
 With `pow2` (page_size a power of two, which the host checks) t // page_size and
 t % page_size are a shift and a mask; otherwise they are an unsigned division.
 
+With `whole_tiles` (page_size a multiple of tile_n, which the host checks) no tile crosses a
+page: key block n is rows [r, r + tile_n) of one page, so one table entry per block
+(`lookup_page`, the same for K and V and for every thread) and a plain tile copy
+(`load_page_tile`, as for a contiguous cache, the tail rows zero-filled by count) do.
+
 Invariants:
 * only the table entries of tokens below `seqlen_k` are read, so a tile never uses a page the
   sequence does not own (entries past the sequence may be garbage or stale): a lookup clamps
@@ -34,6 +39,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32
 
+from .utils import cp_async_tile
+
 
 @dataclass(frozen=True)
 class PagedKV:
@@ -43,17 +50,61 @@ class PagedKV:
     seqlen_k: Int32
     tile_n: cutlass.Constexpr[int]
     pow2: cutlass.Constexpr[bool]
+    whole_tiles: cutlass.Constexpr[bool]
 
     @staticmethod
-    def create(mPageTable: cute.Tensor, batch_idx, mK: cute.Tensor, seqlen_k, tile_n: int, pow2: bool) -> "PagedKV":
+    def create(mPageTable: cute.Tensor, batch_idx, mK: cute.Tensor, seqlen_k, tile_n: int, pow2: bool,
+               whole_tiles: bool) -> "PagedKV":
         page_size = Int32(mK.shape[1])
         shift = cute.arch.log2_of_pow2_int(page_size) if cutlass.const_expr(pow2) else Int32(0)
-        return PagedKV(mPageTable[batch_idx, None], page_size, shift, seqlen_k, tile_n, pow2)
+        return PagedKV(mPageTable[batch_idx, None], page_size, shift, seqlen_k, tile_n, pow2, whole_tiles)
 
     @staticmethod
     def capacity(mPageTable: cute.Tensor, mK: cute.Tensor) -> Int32:
         """Keys a sequence holds when no `seqused_k` says otherwise: max_pages * page_size."""
         return Int32(mPageTable.shape[1]) * Int32(mK.shape[1])
+
+    def page_of(self, token):
+        """The table index of the page that holds `token` (>= 0)."""
+        if cutlass.const_expr(self.pow2):
+            return token >> self.page_shift
+        # non-negative: unsigned division skips the sign fix-ups of a signed one
+        return Int32(Uint32(token) // Uint32(self.page_size))
+
+    def make_page(self) -> cute.Tensor:
+        """Register slot for one key block's page, with whole_tiles."""
+        return cute.make_rmem_tensor(1, Int32)
+
+    @cute.jit
+    def lookup_page(self, n_block, page: cute.Tensor):
+        """With whole_tiles: the page of key block `n_block` into page[0] (its first token,
+        clamped like `lookup`'s; nothing waits for the load here)."""
+        token = cutlass.max(cutlass.min(n_block * self.tile_n, self.seqlen_k - 1), 0)
+        page[0] = self.page_table[self.page_of(token)]
+
+    @cute.jit
+    def load_page_tile(
+        self,
+        tiled_copy: cute.TiledCopy,
+        mX: cute.Tensor,  # (num_pages, page_size, heads_k, d)
+        head_idx,
+        n_block,
+        page: cute.Tensor,  # `lookup_page(n_block, ...)`
+        tXsX: cute.Tensor,
+        tXcX: cute.Tensor,
+        tXpD: Optional[cute.Tensor],
+        tidx,
+        tile_cols: cutlass.Constexpr[int],
+        rows,  # rows of the block below seqlen_k, or None when the whole tile is
+    ):
+        """With whole_tiles: cp.async key block `n_block` as one tile of its page."""
+        token = n_block * self.tile_n
+        if cutlass.const_expr(self.pow2):
+            row = token & (self.page_size - 1)
+        else:
+            row = token - self.page_of(token) * self.page_size
+        gX = cute.local_tile(mX[page[0], None, head_idx, None], (self.tile_n, tile_cols), (row // self.tile_n, 0))
+        cp_async_tile(tiled_copy, tiled_copy.get_slice(tidx).partition_S(gX), tXsX, tXcX, tXpD, rows)
 
     def make_rows(self, tXsX: cute.Tensor) -> cute.Tensor:
         """Register slots for one key block's page (and, without pow2, row in the page) of every
@@ -72,12 +123,9 @@ class PagedKV:
         for m in cutlass.range_constexpr(cute.size(rows, mode=[1])):
             token = n_block * self.tile_n + tXcX[0, m, 0][0]
             token = cutlass.max(cutlass.min(token, self.seqlen_k - 1), 0)
-            if cutlass.const_expr(self.pow2):
-                rows[0, m] = self.page_table[token >> self.page_shift]
-            else:
-                # both non-negative: unsigned division skips the sign fix-ups of a signed one
-                index = Int32(Uint32(token) // Uint32(self.page_size))
-                rows[0, m] = self.page_table[index]
+            index = self.page_of(token)
+            rows[0, m] = self.page_table[index]
+            if cutlass.const_expr(not self.pow2):
                 rows[1, m] = token - index * self.page_size
 
     @cute.jit

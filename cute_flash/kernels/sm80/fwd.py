@@ -66,8 +66,8 @@ class FlashFwdSm80:
         self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
         self.num_threads = config.num_warps * 32
         # K and V copies partition a key tile the same way (one thread layout, same rows per
-        # thread) when their rows have the same swizzle atom width: a paged cache then looks up
-        # a key block's pages once for both, with two stages. With one stage the pages held
+        # thread) when their rows have the same swizzle atom width: a paged cache with pages
+        # smaller than a tile then looks up a key block's pages once for both, with two stages. With one stage the pages held
         # from the K copy to the V copy, across O += P V, spilled the 128x128 tile; its V copy
         # repeats the lookup instead, which then hits L1 (the K copy's lookup loaded the entries).
         bits = self.dtype.width
@@ -298,24 +298,39 @@ class FlashFwdSm80:
         k_rows_left = seqlen.seqlen_k - (n_block_max - 1) * cfg.tile_n
         lookup_K = None
         if cutlass.const_expr(cfg.paged_kv):
-            # Every row is checked against seqlen_k, so the tail needs no row count. The pages of
-            # a key block are looked up ahead of its K copy (`lookup_K`, see attend_block) and,
-            # with kv_rows_shared, stay in `kv_rows` until its V tile has been loaded too.
-            paged = PagedKV.create(mPageTable, batch, mK, seqlen.seqlen_k, cfg.tile_n, cfg.page_size_pow2)
-            kv_rows = paged.make_rows(tKsK)
-            lookup_K = lambda n: paged.lookup(n, tKcK, kv_rows)  # noqa: E731
-            load_K = lambda n, stage, rows: paged.load_tile(  # noqa: E731
-                gmem_copy_QK, mK, head_k, n, kv_rows, self.stage_of(tKsK, stage), tKcK, tQKpD, tidx, cfg.head_dim
-            )
-            if cutlass.const_expr(self.kv_rows_shared):
-                load_V = lambda n, stage, rows: paged.load_tile(  # noqa: E731
-                    gmem_copy_V, mV, head_k, n, kv_rows, self.stage_of(tVsV, stage), tVcV, tVpD, tidx,
-                    cfg.head_dim_v,
+            # The pages of a key block are looked up ahead of its K copy (`lookup_K`, see
+            # attend_block) and kept for its V copy: one page per block when pages hold whole
+            # tiles, else one per row this thread copies (each row checked against seqlen_k, so
+            # those copies ignore the row count), kept only with kv_rows_shared.
+            paged = PagedKV.create(mPageTable, batch, mK, seqlen.seqlen_k, cfg.tile_n, cfg.page_size_pow2,
+                                   cfg.pages_hold_tiles)
+            if cutlass.const_expr(cfg.pages_hold_tiles):
+                kv_page = paged.make_page()
+                lookup_K = lambda n: paged.lookup_page(n, kv_page)  # noqa: E731
+                load_K = lambda n, stage, rows: paged.load_page_tile(  # noqa: E731
+                    gmem_copy_QK, mK, head_k, n, kv_page, self.stage_of(tKsK, stage), tKcK, tQKpD, tidx,
+                    cfg.head_dim, rows,
+                )
+                load_V = lambda n, stage, rows: paged.load_page_tile(  # noqa: E731
+                    gmem_copy_V, mV, head_k, n, kv_page, self.stage_of(tVsV, stage), tVcV, tVpD, tidx,
+                    cfg.head_dim_v, rows,
                 )
             else:
-                load_V = lambda n, stage, rows: paged.gather_tile(  # noqa: E731
-                    gmem_copy_V, mV, head_k, n, self.stage_of(tVsV, stage), tVcV, tVpD, tidx, cfg.head_dim_v
+                kv_rows = paged.make_rows(tKsK)
+                lookup_K = lambda n: paged.lookup(n, tKcK, kv_rows)  # noqa: E731
+                load_K = lambda n, stage, rows: paged.load_tile(  # noqa: E731
+                    gmem_copy_QK, mK, head_k, n, kv_rows, self.stage_of(tKsK, stage), tKcK, tQKpD, tidx,
+                    cfg.head_dim,
                 )
+                if cutlass.const_expr(self.kv_rows_shared):
+                    load_V = lambda n, stage, rows: paged.load_tile(  # noqa: E731
+                        gmem_copy_V, mV, head_k, n, kv_rows, self.stage_of(tVsV, stage), tVcV, tVpD, tidx,
+                        cfg.head_dim_v,
+                    )
+                else:
+                    load_V = lambda n, stage, rows: paged.gather_tile(  # noqa: E731
+                        gmem_copy_V, mV, head_k, n, self.stage_of(tVsV, stage), tVcV, tVpD, tidx, cfg.head_dim_v
+                    )
         else:
             load_K = lambda n, stage, rows: cp_async_tile(  # noqa: E731
                 gmem_copy_QK, tKgK[None, None, None, n], self.stage_of(tKsK, stage), tKcK, tQKpD, rows
