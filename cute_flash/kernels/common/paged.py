@@ -1,24 +1,24 @@
-"""K/V tiles gathered from a paged cache, one row at a time, with the page lookups done ahead.
+"""K/V tiles gathered from a paged cache, with the page lookups done ahead of the copies.
 
 A paged cache holds k/v as (num_pages, page_size, heads_k, d); the keys of sequence b are the
 first `seqlen_k` rows of the pages page_table[b, 0], page_table[b, 1], ... in that order. A
 key tile of `tile_n` rows may span several pages (page_size < tile_n), lie inside one page, or
-start in the middle of one (page_size not a multiple of tile_n), so the copy looks up the page
-of every row it loads: row r of key block n is token t = n * tile_n + r, held by page
-page_table[b, t // page_size] at row t % page_size.
+start in the middle of one (page_size not a multiple of tile_n), so in general the copy looks
+up the page of every row it loads: row r of key block n is token t = n * tile_n + r, held by
+page page_table[b, t // page_size] at row t % page_size.
 
 The lookup (`lookup`) and the copy (`load_tile`) are separate steps so that the kernel can
 * look up a key block once for its K tile and its V tile (the two copies partition the tile
-  the same way whenever K and V rows have the same swizzle atom width, `rows_shared`), and
-* issue the table loads one pipeline step before the cp.async that needs them: a table load
-  then overlaps an MMA instead of stalling the warp right in front of its row's copies.
+  the same way whenever K and V rows have the same swizzle atom width), and
+* issue the table loads before the wait that precedes the K copy, so that their latency
+  overlaps other work instead of stalling the warp right in front of its row's copies.
 With `pow2` (page_size a power of two, which the host checks) t // page_size and
 t % page_size are a shift and a mask; otherwise they are an unsigned division.
 
-With `whole_tiles` (page_size a multiple of tile_n, which the host checks) no tile crosses a
-page: key block n is rows [r, r + tile_n) of one page, so one table entry per block
-(`lookup_page`, the same for K and V and for every thread) and a plain tile copy
-(`load_page_tile`, as for a contiguous cache, the tail rows zero-filled by count) do.
+When page_size is a multiple of tile_n (which the host checks) no tile crosses a page: key
+block n is rows [r, r + tile_n) of one page, so one table entry per block (`lookup_page`, the
+same for K and V and for every thread) and a plain tile copy (`load_page_tile`, the contiguous
+cache's copy, tail rows zero-filled by count) do.
 
 Invariants:
 * only the table entries of tokens below `seqlen_k` are read, so a tile never uses a page the
@@ -50,14 +50,12 @@ class PagedKV:
     seqlen_k: Int32
     tile_n: cutlass.Constexpr[int]
     pow2: cutlass.Constexpr[bool]
-    whole_tiles: cutlass.Constexpr[bool]
 
     @staticmethod
-    def create(mPageTable: cute.Tensor, batch_idx, mK: cute.Tensor, seqlen_k, tile_n: int, pow2: bool,
-               whole_tiles: bool) -> "PagedKV":
+    def create(mPageTable: cute.Tensor, batch_idx, mK: cute.Tensor, seqlen_k, tile_n: int, pow2: bool) -> "PagedKV":
         page_size = Int32(mK.shape[1])
         shift = cute.arch.log2_of_pow2_int(page_size) if cutlass.const_expr(pow2) else Int32(0)
-        return PagedKV(mPageTable[batch_idx, None], page_size, shift, seqlen_k, tile_n, pow2, whole_tiles)
+        return PagedKV(mPageTable[batch_idx, None], page_size, shift, seqlen_k, tile_n, pow2)
 
     @staticmethod
     def capacity(mPageTable: cute.Tensor, mK: cute.Tensor) -> Int32:
@@ -72,13 +70,13 @@ class PagedKV:
         return Int32(Uint32(token) // Uint32(self.page_size))
 
     def make_page(self) -> cute.Tensor:
-        """Register slot for one key block's page, with whole_tiles."""
+        """Register slot for one key block's page, for pages that hold whole tiles."""
         return cute.make_rmem_tensor(1, Int32)
 
     @cute.jit
     def lookup_page(self, n_block, page: cute.Tensor):
-        """With whole_tiles: the page of key block `n_block` into page[0] (its first token,
-        clamped like `lookup`'s; nothing waits for the load here)."""
+        """For pages that hold whole tiles: the page of key block `n_block` into page[0] (that of
+        its first token, clamped like `lookup`'s; nothing waits for the load here)."""
         token = cutlass.max(cutlass.min(n_block * self.tile_n, self.seqlen_k - 1), 0)
         page[0] = self.page_table[self.page_of(token)]
 
@@ -97,7 +95,7 @@ class PagedKV:
         tile_cols: cutlass.Constexpr[int],
         rows,  # rows of the block below seqlen_k, or None when the whole tile is
     ):
-        """With whole_tiles: cp.async key block `n_block` as one tile of its page."""
+        """For pages that hold whole tiles: cp.async key block `n_block` as one tile of its page."""
         token = n_block * self.tile_n
         if cutlass.const_expr(self.pow2):
             row = token & (self.page_size - 1)

@@ -302,8 +302,7 @@ class FlashFwdSm80:
             # attend_block) and kept for its V copy: one page per block when pages hold whole
             # tiles, else one per row this thread copies (each row checked against seqlen_k, so
             # those copies ignore the row count), kept only with kv_rows_shared.
-            paged = PagedKV.create(mPageTable, batch, mK, seqlen.seqlen_k, cfg.tile_n, cfg.page_size_pow2,
-                                   cfg.pages_hold_tiles)
+            paged = PagedKV.create(mPageTable, batch, mK, seqlen.seqlen_k, cfg.tile_n, cfg.page_size_pow2)
             if cutlass.const_expr(cfg.pages_hold_tiles):
                 kv_page = paged.make_page()
                 lookup_K = lambda n: paged.lookup_page(n, kv_page)  # noqa: E731
@@ -403,11 +402,13 @@ class FlashFwdSm80:
         cp.async groups are committed in a fixed order (empty when there is nothing to load), so
         the number of groups allowed in flight at each wait is a constant: 2 * stages - 2.
         A paged cache (`lookup_K` not None) looks up the pages of the next K tile (block
-        n_block - stages). With two stages that happens right after the V copy, the last reader
-        of the previous lookup, has been issued, so the table loads overlap S = Q K^T and the
-        softmax instead of stalling the K copy. With one stage it happens right before the K
-        copy: pages held across S = Q K^T spilled the 128x128 tile (sm_90a) and, held across
-        the wait for V[n] only, hd256 (sm_80).
+        n_block - stages). With two stages the lookup comes right after the V copy, the last
+        reader of the previous lookup, has been issued; ptxas sinks the table loads below
+        S = Q K^T to just before the barrier ahead of the softmax (SASS of the hd128 decode
+        tile), so their latency overlaps that barrier and the softmax instead of stalling the
+        K copy. With one stage it comes right before the K copy: per-row pages held across
+        S = Q K^T spilled the 128x128 tile (sm_90a) and, held across the wait for V[n] only,
+        hd256 (sm_80).
         """
         cfg = self.cfg
         stages = cfg.num_stages
