@@ -30,6 +30,26 @@ def test_call_with_page_table_selects_the_paged_kernel():
     assert config.paged_kv and config.seqused_k and not config.varlen_k and not config.split_kv
 
 
+@pytest.mark.parametrize("page_size,pow2,whole_tiles", [
+    (1, True, False), (16, True, False), (64, True, True), (256, True, True), (24, False, False),
+    (100, False, False), (192, False, True),
+])
+def test_page_size_selects_shift_and_mask_and_one_lookup_per_tile(page_size, pow2, whole_tiles):
+    q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16)  # decode: 64-key tiles
+    k = torch.empty(10, page_size, 2, 128, dtype=torch.bfloat16)
+    args = AttnArgs(0.1, page_table=torch.zeros(2, 4, dtype=torch.int32))
+    config = CuteSm80Backend().config(q, k, k, None, args)
+    assert config.tile_n == 64 and config.paged_kv
+    assert (config.page_size_pow2, config.pages_hold_tiles) == (pow2, whole_tiles)
+    assert ("page_size_pow2" in config.name, "pages_hold_tiles" in config.name) == (pow2, whole_tiles)
+
+
+@pytest.mark.parametrize("flag", ["page_size_pow2", "pages_hold_tiles"])
+def test_page_flags_need_a_paged_cache(flag):
+    with pytest.raises(ValueError, match=flag):
+        fc.make_config("bfloat16", 128, 128, **{flag: True})
+
+
 def test_split_kv_config_leaves_the_lse_to_the_combine():
     config = fc.make_config("bfloat16", 128, 128, split_kv=True)
     assert config.split_kv and not config.has_lse
@@ -191,10 +211,15 @@ def test_the_sm90_backend_runs_paged_and_split_calls_on_the_sm80_kernels(call, m
 # ------------------------------------------------------------------------------------------------
 # compiles (each several seconds on one core)
 # ------------------------------------------------------------------------------------------------
+# the gathers the shipped configurations do not all cover: per row with a division (any page
+# size), per row by shift and mask (pages of 16 in decode)
 FWD_COMPILED = [
     ("sm_80", fc.make_config("bfloat16", 128, 128, paged_kv=True, seqused_k=True, split_kv=True)),
     ("sm_90a", fc.make_config("bfloat16", 128, 128, paged_kv=True, seqused_k=True, split_kv=True)),
     ("sm_90a", fc.make_config("float16", 256, 256, paged_kv=True, causal=True)),
+    ("sm_80", fc.make_config("bfloat16", 128, 128, short_queries=True, page_size=16, seqused_k=True, split_kv=True)),
+    ("sm_90a", fc.make_config("bfloat16", 128, 128, short_queries=True, page_size=16, seqused_k=True, split_kv=True)),
+    ("sm_80", fc.make_config("bfloat16", 256, 256, short_queries=True, page_size=16, seqused_k=True, split_kv=True)),
 ]
 COMBINE_COMPILED = [
     ("sm_80", cc.make_config("bfloat16", 128, 64, seqused_k=True)),

@@ -288,7 +288,7 @@ class _CuteBackend(Backend):
             v.shape[-1],
             **kernel_flags(args),
             has_lse=lse is not None,
-            **({"paged_kv": True} if args.page_table is not None else {}),
+            **({"page_size": k.shape[1]} if args.page_table is not None else {}),
             **self.tile_hints(q, args),
         )
 

@@ -18,7 +18,10 @@ replayed with shorter sequences leaves stale data there, unread).
 
 One warp merges one (query row, head): each lane owns 4 consecutive columns of every 128, so
 the partial rows (float32) are read with 128-bit loads and the output written with 64-bit
-stores; rounding to the output dtype is round-to-nearest-even (cvt.rn).
+stores; rounding to the output dtype is round-to-nearest-even (cvt.rn). Its loops over the
+splits keep SPLITS_IN_FLIGHT loads in flight: one load then its use per iteration waited
+for a memory latency (an L2 hit, the partials being fresh) 4 times per split, which at
+batch 1 made the combine a sizeable part of a decode step, growing with the split count.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from cutlass import Float32, Int32
 from .common.utils import LN_2, LOG2_E, exp2f, log2f
 
 VEC = 4  # float32 columns per lane and access: 128 bits
+SPLITS_IN_FLIGHT = 4  # loads over the splits of one (row, head) issued before the first is used
 
 
 class FlashCombine:
@@ -64,7 +68,14 @@ class FlashCombine:
         grid_x = (max_seqlen_q + cfg.rows_per_cta - 1) // cfg.rows_per_cta
         self.kernel(
             mOPartial, mLSEPartial, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, seqlen_k, num_splits,
-        ).launch(grid=[grid_x, num_heads, num_batch], block=[self.num_threads, 1, 1], stream=stream)
+        ).launch(
+            grid=[grid_x, num_heads, num_batch],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            # .minnctapersm 1: without it ptxas held hd256 to 48 registers for occupancy and
+            # spilled the partial rows in flight (sm_90a); 64 registers still fit 8 CTAs per SM
+            min_blocks_per_mp=1,
+        )
 
     @cute.kernel
     def kernel(
@@ -111,12 +122,14 @@ class FlashCombine:
                 lse_p = mLSEPartial[None, batch, head, row]
                 o_row = mO[batch, row, head, None]
 
+            # Every load of a pass is independent of the others: unrolled, SPLITS_IN_FLIGHT of
+            # them are issued before the first result is used.
             lse_max = Float32(-Float32.inf)
-            for s in cutlass.range(live_splits, unroll=1):
+            for s in cutlass.range(live_splits, unroll=SPLITS_IN_FLIGHT):
                 lse_max = cute.arch.fmax(lse_max, lse_p[s])
             lse_sum = Float32(0.0)
             if lse_max != -Float32.inf:
-                for s in cutlass.range(live_splits, unroll=1):
+                for s in cutlass.range(live_splits, unroll=SPLITS_IN_FLIGHT):
                     lse_sum += exp2f((lse_p[s] - lse_max) * LOG2_E)
             lse_row = -Float32.inf if lse_sum == 0.0 else lse_max + log2f(lse_sum) * LN_2
 
@@ -124,18 +137,28 @@ class FlashCombine:
             acc = cute.make_rmem_tensor((VEC, num_chunks), Float32)
             acc.fill(0.0)
             if lse_sum > 0.0:
-                for s in cutlass.range(live_splits, unroll=1):
-                    lse_s = lse_p[s]
-                    if lse_s != -Float32.inf:
-                        weight = exp2f((lse_s - lse_row) * LOG2_E)
-                        o_p = self.partial_row(mOPartial, s, batch, offset_q, row, head)
-                        for j in cutlass.range_constexpr(num_chunks):
-                            col = (j * 32 + lane) * VEC
-                            if self.column_ok(col, o_row):
-                                part = cute.make_rmem_tensor(VEC, Float32)
-                                cute.autovec_copy(cute.local_tile(o_p, (VEC,), (col // VEC,)), part)
+                # A split's row is read only if its LSE is finite, so the LSEs of a batch of
+                # splits are read first, then their rows, then the rows are summed.
+                for b in cutlass.range((live_splits + SPLITS_IN_FLIGHT - 1) // SPLITS_IN_FLIGHT, unroll=1):
+                    lse_s = cute.make_rmem_tensor(SPLITS_IN_FLIGHT, Float32)
+                    parts = cute.make_rmem_tensor((VEC, num_chunks, SPLITS_IN_FLIGHT), Float32)
+                    for u in cutlass.range_constexpr(SPLITS_IN_FLIGHT):
+                        lse_s[u] = -Float32.inf
+                        if b * SPLITS_IN_FLIGHT + u < live_splits:
+                            lse_s[u] = lse_p[b * SPLITS_IN_FLIGHT + u]
+                    for u in cutlass.range_constexpr(SPLITS_IN_FLIGHT):
+                        if lse_s[u] != -Float32.inf:
+                            o_p = self.partial_row(mOPartial, b * SPLITS_IN_FLIGHT + u, batch, offset_q, row, head)
+                            for j in cutlass.range_constexpr(num_chunks):
+                                col = (j * 32 + lane) * VEC
+                                if self.column_ok(col, o_row):
+                                    cute.autovec_copy(cute.local_tile(o_p, (VEC,), (col // VEC,)), parts[None, j, u])
+                    for u in cutlass.range_constexpr(SPLITS_IN_FLIGHT):
+                        if lse_s[u] != -Float32.inf:
+                            weight = exp2f((lse_s[u] - lse_row) * LOG2_E)
+                            for j in cutlass.range_constexpr(num_chunks):
                                 for e in cutlass.range_constexpr(VEC):
-                                    acc[e, j] = acc[e, j] + weight * part[e]
+                                    acc[e, j] = acc[e, j] + weight * parts[e, j, u]
 
             for j in cutlass.range_constexpr(num_chunks):
                 col = (j * 32 + lane) * VEC

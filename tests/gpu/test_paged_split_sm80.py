@@ -112,10 +112,11 @@ def test_paged_equals_contiguous_with_shuffled_pages(page_size, nheads, nheads_k
     assert (lse_p - lse_c).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("page_size", [1, 8, 24, 48, 100, 512])
+@pytest.mark.parametrize("page_size", [1, 8, 24, 48, 100, 384, 512])
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_page_sizes_off_the_tile(page_size, causal):
-    """Pages smaller than, not dividing, and larger than the 64-row key tile."""
+    """Pages smaller than, not dividing, and larger than the 128-row key tile (384: whole tiles
+    per page without a power of two)."""
     gen = torch.Generator().manual_seed(page_size)
     torch.manual_seed(page_size + causal)
     seqlens = [333, 64, 700]
@@ -222,7 +223,7 @@ def test_decode_shapes_paged_split_heuristic(seqlen_q):
 
 
 @pytest.mark.parametrize("num_splits", [1, 0])
-@pytest.mark.parametrize("page_size", [0, 16, 64])
+@pytest.mark.parametrize("page_size", [0, 16, 64, 192])  # rows gathered per row (16), per tile (64, 192)
 @pytest.mark.parametrize("nheads,nheads_k", [(32, 8), (8, 1)])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_decode_with_packed_gqa(d, nheads, nheads_k, page_size, num_splits):

@@ -65,6 +65,15 @@ class FlashFwdSm80:
         self.cfg = config
         self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
         self.num_threads = config.num_warps * 32
+        # K and V copies partition a key tile the same way (one thread layout, same rows per
+        # thread) when their rows have the same swizzle atom width: a paged cache with pages
+        # smaller than a tile then looks up a key block's pages once for both, with two stages. With one stage the pages held
+        # from the K copy to the V copy, across O += P V, spilled the 128x128 tile; its V copy
+        # repeats the lookup instead, which then hits L1 (the K copy's lookup loaded the entries).
+        bits = self.dtype.width
+        self.kv_rows_shared = config.num_stages == 2 and (
+            swizzle_params(bits, config.head_dim).atom_cols == swizzle_params(bits, config.head_dim_v).atom_cols
+        )
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -282,15 +291,40 @@ class FlashFwdSm80:
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(tScS_mn, mode=[0]))
 
         k_rows_left = seqlen.seqlen_k - (n_block_max - 1) * cfg.tile_n
+        lookup_K = None
         if cutlass.const_expr(cfg.paged_kv):
-            # every row is checked against seqlen_k, so the tail needs no row count
-            paged = PagedKV.create(mPageTable, batch, mK, seqlen.seqlen_k, cfg.tile_n)
-            load_K = lambda n, stage, rows: paged.load_tile(  # noqa: E731
-                gmem_copy_QK, mK, head_k, n, self.stage_of(tKsK, stage), tKcK, tQKpD, tidx, cfg.head_dim
-            )
-            load_V = lambda n, stage, rows: paged.load_tile(  # noqa: E731
-                gmem_copy_V, mV, head_k, n, self.stage_of(tVsV, stage), tVcV, tVpD, tidx, cfg.head_dim_v
-            )
+            # The pages of a key block are looked up ahead of its K copy (`lookup_K`, see
+            # attend_block) and kept for its V copy: one page per block when pages hold whole
+            # tiles, else one per row this thread copies (each row checked against seqlen_k, so
+            # those copies ignore the row count), kept only with kv_rows_shared.
+            paged = PagedKV.create(mPageTable, batch, mK, seqlen.seqlen_k, cfg.tile_n, cfg.page_size_pow2)
+            if cutlass.const_expr(cfg.pages_hold_tiles):
+                kv_page = paged.make_page()
+                lookup_K = lambda n: paged.lookup_page(n, kv_page)  # noqa: E731
+                load_K = lambda n, stage, rows: paged.load_page_tile(  # noqa: E731
+                    gmem_copy_QK, mK, head_k, n, kv_page, self.stage_of(tKsK, stage), tKcK, tQKpD, tidx,
+                    cfg.head_dim, rows,
+                )
+                load_V = lambda n, stage, rows: paged.load_page_tile(  # noqa: E731
+                    gmem_copy_V, mV, head_k, n, kv_page, self.stage_of(tVsV, stage), tVcV, tVpD, tidx,
+                    cfg.head_dim_v, rows,
+                )
+            else:
+                kv_rows = paged.make_rows(tKsK)
+                lookup_K = lambda n: paged.lookup(n, tKcK, kv_rows)  # noqa: E731
+                load_K = lambda n, stage, rows: paged.load_tile(  # noqa: E731
+                    gmem_copy_QK, mK, head_k, n, kv_rows, self.stage_of(tKsK, stage), tKcK, tQKpD, tidx,
+                    cfg.head_dim,
+                )
+                if cutlass.const_expr(self.kv_rows_shared):
+                    load_V = lambda n, stage, rows: paged.load_tile(  # noqa: E731
+                        gmem_copy_V, mV, head_k, n, kv_rows, self.stage_of(tVsV, stage), tVcV, tVpD, tidx,
+                        cfg.head_dim_v,
+                    )
+                else:
+                    load_V = lambda n, stage, rows: paged.gather_tile(  # noqa: E731
+                        gmem_copy_V, mV, head_k, n, self.stage_of(tVsV, stage), tVcV, tVpD, tidx, cfg.head_dim_v
+                    )
         else:
             load_K = lambda n, stage, rows: cp_async_tile(  # noqa: E731
                 gmem_copy_QK, tKgK[None, None, None, n], self.stage_of(tKsK, stage), tKcK, tQKpD, rows
@@ -304,11 +338,15 @@ class FlashFwdSm80:
             n_last = n_block_max - 1
             cp_async_tile(gmem_copy_QK, tQgQ, tQsQ, tQcQ, tQKpD, seqlen.seqlen_q - m_block * cfg.tile_m)
             cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(lookup_K is not None):
+                lookup_K(n_last)
             load_K(n_last, 0, k_rows_left)
             cute.arch.cp_async_commit_group()
             if cutlass.const_expr(cfg.num_stages == 2):
                 load_V(n_last, 0, k_rows_left)
                 cute.arch.cp_async_commit_group()
+                if cutlass.const_expr(lookup_K is not None):
+                    lookup_K(n_last - 1)
                 if n_last - 1 >= n_block_min:
                     load_K(n_last - 1, 1, None)
                 cute.arch.cp_async_commit_group()
@@ -316,7 +354,8 @@ class FlashFwdSm80:
             step = lambda n, is_first, mask_seqlen, mask_causal, mask_local: self.attend_block(  # noqa: E731
                 n, n_last, n_block_min, k_rows_left, is_first, mask_seqlen, mask_causal, mask_local,
                 tiled_mma, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K,
-                smem_copy_V, load_K, load_V, softmax, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
+                smem_copy_V, lookup_K, load_K, load_V, softmax, mask, tScS_mn, t0ScS_mn, m_block,
+                softcap_prescale,
             )
             # The first block carries the key-length tail (and the diagonal, if causal).
             step(n_last, True, True, cfg.causal, cfg.local)
@@ -350,13 +389,21 @@ class FlashFwdSm80:
         is_first: cutlass.Constexpr, mask_seqlen: cutlass.Constexpr,
         mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr,
         tiled_mma, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K,
-        smem_copy_V, load_K, load_V, softmax: OnlineSoftmax, mask: AttentionMask, tScS_mn, t0ScS_mn,
-        m_block, softcap_prescale,
+        smem_copy_V, lookup_K, load_K, load_V, softmax: OnlineSoftmax, mask: AttentionMask, tScS_mn,
+        t0ScS_mn, m_block, softcap_prescale,
     ):
         """One key block: S = Q K^T, mask, online softmax, O += P V, with the next loads in flight.
 
         cp.async groups are committed in a fixed order (empty when there is nothing to load), so
         the number of groups allowed in flight at each wait is a constant: 2 * stages - 2.
+        A paged cache (`lookup_K` not None) looks up the pages of the next K tile (block
+        n_block - stages). With two stages the lookup comes right after the V copy, the last
+        reader of the previous lookup, has been issued; ptxas sinks the table loads below
+        S = Q K^T to just before the barrier ahead of the softmax (SASS of the hd128 decode
+        tile), so their latency overlaps that barrier and the softmax instead of stalling the
+        K copy. With one stage it comes right before the K copy: per-row pages held across
+        S = Q K^T spilled the 128x128 tile (sm_90a) and, held across the wait for V[n] only,
+        hd256 (sm_80).
         """
         cfg = self.cfg
         stages = cfg.num_stages
@@ -371,6 +418,8 @@ class FlashFwdSm80:
         elif n_block - 1 >= n_block_min:
             load_V(n_block - 1, 1 - stage, None)
         cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(lookup_K is not None and stages == 2):
+            lookup_K(n_block - 2)
 
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
         acc_S.fill(0.0)
@@ -385,6 +434,8 @@ class FlashFwdSm80:
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             if n_block - 1 >= n_block_min:
+                if cutlass.const_expr(lookup_K is not None):
+                    lookup_K(n_block - 1)
                 load_K(n_block - 1, 0, None)
             cute.arch.cp_async_commit_group()
 

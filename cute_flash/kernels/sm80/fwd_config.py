@@ -22,7 +22,7 @@ with 4 warps and two stages, 323.9 for 128x64 with 8 warps and 300.0 for 64x128 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from ..common.tiles import check_attention_config, pad_headdim
 
@@ -78,6 +78,8 @@ class Sm80FwdConfig:
     varlen_k: bool = False
     seqused_k: bool = False
     paged_kv: bool = False  # k/v are (num_pages, page_size, hk, d) and rows are gathered per page
+    page_size_pow2: bool = False  # with paged_kv: page_size is a power of two (shift and mask, no division)
+    pages_hold_tiles: bool = False  # with paged_kv: page_size is a multiple of tile_n (one lookup per tile)
     split_kv: bool = False  # each split of the keys writes float32 partial O and LSE (mO/mLSE unused)
     has_lse: bool = True
     min_ctas_per_sm: int = 0
@@ -86,6 +88,9 @@ class Sm80FwdConfig:
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
         if self.paged_kv and self.varlen_k:
             raise ValueError("paged_kv and varlen_k exclude each other (a paged cache has no cu_seqlens_k)")
+        for flag in ("page_size_pow2", "pages_hold_tiles"):
+            if getattr(self, flag) and not self.paged_kv:
+                raise ValueError(f"{flag} needs paged_kv")
         if self.num_stages not in (1, 2):
             raise ValueError(f"num_stages must be 1 or 2; got {self.num_stages}")
 
@@ -97,7 +102,8 @@ class Sm80FwdConfig:
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "paged_kv", "split_kv")
+        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "paged_kv",
+                             "page_size_pow2", "pages_hold_tiles", "split_kv")
                  if getattr(self, f)]
         if self.check_hdim:
             flags.append("padded")
@@ -110,18 +116,23 @@ class Sm80FwdConfig:
         return "_".join(["fwd_sm80", self.dtype, hd, tile] + flags)
 
 
-def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool = False, **flags) -> Sm80FwdConfig:
+def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool = False,
+                page_size: Optional[int] = None, **flags) -> Sm80FwdConfig:
     """The shipped configuration for actual head dims (any multiples of 8 up to 256) and flags.
 
     `short_queries`: every (sequence, head) has at most SHORT_QUERY_ROWS query rows, as in
-    decode (the tile then comes from SHORT_QUERY_TILES). With split_kv the kernel writes partial
-    LSEs and the combine the final one, so has_lse is off: one forward kernel serves calls with
-    and without return_lse.
+    decode (the tile then comes from SHORT_QUERY_TILES). `page_size`: a paged cache's (sets
+    paged_kv and, from it and the tile, page_size_pow2 and pages_hold_tiles). With split_kv the
+    kernel writes partial LSEs and the combine the final one, so has_lse is off: one forward
+    kernel serves calls with and without return_lse.
     """
     if flags.get("split_kv"):
         flags["has_lse"] = False
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = (SHORT_QUERY_TILES if short_queries else TILES)[max(hd, hdv)]
+    if page_size is not None:
+        flags.update(paged_kv=True, page_size_pow2=page_size & (page_size - 1) == 0,
+                     pages_hold_tiles=page_size % tile.tile_n == 0)
     return Sm80FwdConfig(
         dtype=dtype,
         head_dim=hd,
@@ -159,15 +170,18 @@ def shipped_configs() -> list:
         ]
     configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64)]
     # inference: the paged split-KV decode kernel per large head dim, paged alone (the table's
-    # full capacity as the key length), and split-KV over packed keys
+    # full capacity as the key length), and split-KV over packed keys; pages of 64 tokens (one
+    # tile each) for decode, of 16 (4 per tile, looked up per row) for the prefill tile, of 24
+    # (per row, with a division) for the last one
     for d in (64, 128, 256):
-        configs.append(make_config("bfloat16", d, d, short_queries=True, paged_kv=True, seqused_k=True, split_kv=True))
+        configs.append(make_config("bfloat16", d, d, short_queries=True, page_size=64, seqused_k=True,
+                                   split_kv=True))
     configs += [
         make_config("bfloat16", 128, 128, short_queries=True),
         make_config("float16", 128, 128, short_queries=True, causal=True, seqused_k=True),
-        make_config("float16", 128, 128, paged_kv=True, causal=True),
+        make_config("float16", 128, 128, page_size=16, causal=True),
         make_config("bfloat16", 128, 128, split_kv=True, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
-        make_config("float16", 40, 40, paged_kv=True, varlen_q=True, split_kv=True, local=True),
+        make_config("float16", 40, 40, page_size=24, varlen_q=True, split_kv=True, local=True),
     ]
     return configs
 
