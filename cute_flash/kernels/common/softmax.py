@@ -70,16 +70,17 @@ class OnlineSoftmax:
             ref_max = 0.0 if new_max == -Float32.inf else new_max
             ref = ref_max * self.scale_log2
             row_sum = Float32(0.0)
+            if cutlass.const_expr(not is_first):
+                # The factor before the exponentials: O's rescale then depends only on the row
+                # max, so it need not wait for the exp loop at the tail of the block.
+                factor = rescale_factor(prev_max, ref_max, self.scale_log2)
+                correction[r] = factor
+                row_sum = self.row_sum[r] * factor
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 p = exp2f(acc_S_mn[r, c] * self.scale_log2 - ref)
                 acc_S_mn[r, c] = p
                 row_sum += p
-            if cutlass.const_expr(is_first):
-                self.row_sum[r] = row_sum
-            else:
-                factor = rescale_factor(prev_max, ref_max, self.scale_log2)
-                self.row_sum[r] = self.row_sum[r] * factor + row_sum
-                correction[r] = factor
+            self.row_sum[r] = row_sum
             self.row_max[r] = new_max
 
     @staticmethod
