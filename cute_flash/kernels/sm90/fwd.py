@@ -232,7 +232,6 @@ class FlashFwdSm90:
             window_left_eff = window_left if window_left >= 0 else unbounded
             window_right_eff = window_right if window_right >= 0 else unbounded
         block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, window_left_eff, window_right_eff)
-        n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
 
         num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
@@ -243,6 +242,9 @@ class FlashFwdSm90:
         if m_block * cfg.tile_m < seqlen.seqlen_q:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(cfg.registers[1])
+                # The key-block range is computed on each side of the register split: a range
+                # computed before it stays live into the producer's 24 registers (which spilled).
+                n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
                 if warp_idx == 0 and n_block_max > n_block_min:
                     self.load(
                         tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
@@ -251,6 +253,7 @@ class FlashFwdSm90:
                     )
             else:
                 cute.arch.setmaxregister_increase(cfg.registers[0])
+                n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
                 ctidx = tidx - 128
                 mask = AttentionMask(
                     cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff, window_right_eff
@@ -324,11 +327,18 @@ class FlashFwdSm90:
         wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
         thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
         thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
+        # The shared-memory operands are the same for every thread of a warpgroup: slicing them
+        # by the warpgroup's first thread (a warp-uniform value) keeps the WGMMA descriptors in
+        # uniform registers; slicing by the thread index made ptxas rebuild them per thread
+        # (R2UR and descriptor arithmetic before every HGMMA). Only the accumulator
+        # partitions (partition_C, partition_shape_C) are per thread.
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
         # Vᵀ (dv, n, stage) over V's bytes: the B operand of P·V.
         sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
-        tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
-        tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
-        tOrVt = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
+        tSrQ = tiled_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = tiled_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
         acc_O.fill(0.0)
         rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), self.dtype)
