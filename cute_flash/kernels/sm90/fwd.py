@@ -48,7 +48,7 @@ from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
 from ..common.softmax import OnlineSoftmax
 from ..common.utils import acc_mn_view, col_predicate, tanhf
-from .fwd_config import Sm90FwdConfig
+from .fwd_config import LAZY_RESCALE_LOG2, Sm90FwdConfig
 from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
 
 # Named barriers (0 is __syncthreads): the consumers' epilogue, then one per consumer
@@ -348,7 +348,7 @@ class FlashFwdSm90:
         # thread 0's coordinates: compile-time constants for the mask's comparisons
         t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_qk.get_slice(0).partition_C(cS)))
         num_rows = cute.size(tScS_mn, mode=[0])
-        softmax = OnlineSoftmax.create(softmax_scale_log2, num_rows)
+        softmax = OnlineSoftmax.create(softmax_scale_log2, num_rows, LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0)
         correction = cute.make_rmem_tensor(num_rows, Float32)
 
         if cutlass.const_expr(cfg.pingpong):
@@ -436,7 +436,10 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.intra_wg_overlap):
             warpgroup.wait_group(0)  # P·V is done with rP and acc_O
             pipeline_v.consumer_release(kv)
-        softmax.rescale_O(acc_as_mma_sync(acc_O), correction)
+        if cutlass.const_expr(cfg.lazy_rescale):
+            softmax.rescale_O_unless_unit(acc_as_mma_sync(acc_O), correction)
+        else:
+            softmax.rescale_O(acc_as_mma_sync(acc_O), correction)
         rP.store(acc_S.load().to(self.dtype))
         if cutlass.const_expr(not cfg.intra_wg_overlap):
             kv_s = self.pv_block(kv_s, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
