@@ -47,7 +47,7 @@ from ..common.mask import AttentionMask
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
 from ..common.softmax import OnlineSoftmax
-from ..common.utils import acc_mn_view, col_predicate, tanhf
+from ..common.utils import acc_mn_view, col_predicate, store_pairs_16bit, tanhf
 from .fwd_config import LAZY_RESCALE_LOG2, Sm90FwdConfig
 from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
 
@@ -369,7 +369,7 @@ class FlashFwdSm90:
             pipeline_k.consumer_release(kv)
             self.scores_to_probs(acc_S, n_last, True, True, cfg.causal, cfg.local,
                                  softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
-            rP.store(acc_S.load().to(self.dtype))
+            self.probs_to_16bit(acc_S, rP)
             if cutlass.const_expr(cfg.seqused_k):
                 self.zero_unused_keys(sV, kv, seqlen.seqlen_k - n_last * cfg.tile_n, ctidx, pipeline_v)
             if cutlass.const_expr(not cfg.intra_wg_overlap):
@@ -440,10 +440,25 @@ class FlashFwdSm90:
             softmax.rescale_O_unless_unit(acc_as_mma_sync(acc_O), correction)
         else:
             softmax.rescale_O(acc_as_mma_sync(acc_O), correction)
-        rP.store(acc_S.load().to(self.dtype))
+        self.probs_to_16bit(acc_S, rP)
         if cutlass.const_expr(not cfg.intra_wg_overlap):
             kv_s = self.pv_block(kv_s, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
         return kv_s
+
+    @cute.jit
+    def probs_to_16bit(self, acc_S, rP):
+        """P rounded to 16 bits into rP (round to nearest even).
+
+        `.to()` packs two values per F2FP only when tile_n is a multiple of 64 (SASS at 64 and
+        128); at 80 and 96 it converted one value at a time and packed them with PRMT (twice the
+        F2FP, plus the PRMTs), so those tiles convert explicitly in pairs. The multiples of 64
+        keep `.to()`: the same F2FPs, and the explicit form perturbed ptxas's register choice
+        there (uniform-register descriptors back in vector registers at hd 256, tile_n 64).
+        """
+        if cutlass.const_expr(self.cfg.tile_n % 64 == 0):
+            rP.store(acc_S.load().to(self.dtype))
+        else:
+            store_pairs_16bit(acc_S, rP)
 
     @cute.jit
     def zero_unused_keys(self, sV, kv, rows_valid, ctidx, pipeline_v):
