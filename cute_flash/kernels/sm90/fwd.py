@@ -350,6 +350,8 @@ class FlashFwdSm90:
         num_rows = cute.size(tScS_mn, mode=[0])
         softmax = OnlineSoftmax.create(softmax_scale_log2, num_rows, LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0)
         correction = cute.make_rmem_tensor(num_rows, Float32)
+        if cutlass.const_expr(cfg.rescale_o_before_pv):
+            correction.fill(1.0)  # the first block leaves no factor; O is still 0 then
 
         if cutlass.const_expr(cfg.pingpong):
             # The first warpgroup holds the first GEMM-issue turn.
@@ -395,6 +397,8 @@ class FlashFwdSm90:
                     mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
                 )
             if cutlass.const_expr(cfg.intra_wg_overlap):
+                if cutlass.const_expr(cfg.rescale_o_before_pv):
+                    self.rescale_O(softmax, acc_O, correction)
                 self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
 
         self.epilogue(acc_O, softmax, mO, mLSE, tma_O, tma_mO, sO, seqlen, tiled_mma_pv, thr_mma_pv,
@@ -423,6 +427,10 @@ class FlashFwdSm90:
             cute.arch.barrier(barrier_id=BARRIER_PINGPONG + wg_idx, number_of_threads=256)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
         gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], zero_init=True)
+        if cutlass.const_expr(cfg.rescale_o_before_pv):
+            # block n + 1's factors, for the O that P(n + 1) V(n + 1) is about to add to; S(n)'s
+            # GEMM does not touch acc_O
+            self.rescale_O(softmax, acc_O, correction)
         if cutlass.const_expr(cfg.intra_wg_overlap):
             pipeline_v.consumer_wait(kv)
             gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False)
@@ -436,14 +444,21 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.intra_wg_overlap):
             warpgroup.wait_group(0)  # P·V is done with rP and acc_O
             pipeline_v.consumer_release(kv)
-        if cutlass.const_expr(cfg.lazy_rescale):
-            softmax.rescale_O_unless_unit(acc_as_mma_sync(acc_O), correction)
-        else:
-            softmax.rescale_O(acc_as_mma_sync(acc_O), correction)
+        if cutlass.const_expr(not cfg.rescale_o_before_pv):
+            self.rescale_O(softmax, acc_O, correction)
         self.probs_to_16bit(acc_S, rP)
         if cutlass.const_expr(not cfg.intra_wg_overlap):
             kv_s = self.pv_block(kv_s, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
         return kv_s
+
+    @cute.jit
+    def rescale_O(self, softmax: OnlineSoftmax, acc_O, correction):
+        """O *= the last softmax's correction factors (with the lazy rescale a warp skips this
+        when all of its factors are 1)."""
+        if cutlass.const_expr(self.cfg.lazy_rescale):
+            softmax.rescale_O_unless_unit(acc_as_mma_sync(acc_O), correction)
+        else:
+            softmax.rescale_O(acc_as_mma_sync(acc_O), correction)
 
     @cute.jit
     def probs_to_16bit(self, acc_S, rP):

@@ -22,7 +22,8 @@ H100/H200's 227 KB.
 Ping-pong (named barriers handing the GEMM-issue turn from one consumer warpgroup to the next)
 pays when the softmax of a block is long next to its GEMMs; with tile_n 96 or 64 and a wide head
 dim the GEMMs dominate and the warpgroups are better left to run freely. The intra-warpgroup
-overlap is on everywhere.
+overlap is on everywhere. With dv > 128, O is rescaled while the next S = Q Kᵀ runs, before P·V
+is issued (`rescale_o_before_pv`, as flash-attn-4's sm90 kernel does).
 
 `lazy_rescale` (off in the shipped table until measured): a row keeps its old maximum as the
 exp reference while the new one exceeds it by at most `LAZY_RESCALE_LOG2` (P <= 2^8), and a
@@ -87,6 +88,9 @@ class Sm90FwdConfig:
     seqused_k: bool = False
     has_lse: bool = True
     lazy_rescale: bool = False  # keep a row's max unless it grows by > LAZY_RESCALE_LOG2
+    # Rescale O while S = Q Kᵀ of the next block runs, before P·V is issued, instead of after
+    # P·V is waited for: the FMULs of a wide O then overlap the QK GEMM (make_config: dv > 128)
+    rescale_o_before_pv: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -96,6 +100,8 @@ class Sm90FwdConfig:
             raise ValueError(f"num_consumer_wgs must be one of {tuple(REGISTERS)}; got {self.num_consumer_wgs}")
         if self.pingpong and not self.intra_wg_overlap:
             raise ValueError("pingpong orders the overlapped GEMM issue; it needs intra_wg_overlap")
+        if self.rescale_o_before_pv and not self.intra_wg_overlap:
+            raise ValueError("rescale_o_before_pv moves the rescale of the overlapped loop; it needs intra_wg_overlap")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16 (the k of P·V); got {self.tile_n}")
         if self.smem_bytes > SMEM_LIMIT:
@@ -127,6 +133,8 @@ class Sm90FwdConfig:
             flags.append("nopingpong")
         if self.lazy_rescale:
             flags.append("lazy")
+        if self.rescale_o_before_pv:
+            flags.append("early_rescale")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}wg{self.num_consumer_wgs}s{self.num_stages}"
         return "_".join(["fwd_sm90", self.dtype, hd, tile] + flags)
@@ -141,6 +149,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = TILES[max(hd, hdv)]
     flags.setdefault("pingpong", tile.pingpong and flags.get("intra_wg_overlap", True))
+    # only a wide O has enough FMULs to be worth hiding (flash-attn-4 draws the same line)
+    flags.setdefault("rescale_o_before_pv", hdv > 128 and flags.get("intra_wg_overlap", True))
     return Sm90FwdConfig(
         dtype=dtype,
         head_dim=hd,
