@@ -9,6 +9,7 @@ tensor's bounds, or a tile that is never stored, shows up as NaN.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -210,4 +211,36 @@ def test_sm90_fwd_schedule_variants_agree(overlap, pingpong):
     fn, _ = backend.cache.get(replace(base, intra_wg_overlap=overlap, pingpong=pingpong), backend.arch())
     backend.launch(fn, q, k, v, out, lse, args, backend.cache.args)
     torch.cuda.synchronize()
+    check_forward(out, lse, q, k, v, args)
+
+
+def _lazy_rescale_backend(monkeypatch):
+    """The sm_90 backend with `lazy_rescale` set on every configuration it picks."""
+    backend = _backend()
+    plain = backend.config
+    monkeypatch.setattr(backend, "config", lambda *a, **kw: replace(plain(*a, **kw), lazy_rescale=True))
+    return backend
+
+
+@pytest.mark.parametrize("growing_max", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024), (1001, 333), (4224, 4224)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_fwd_lazy_rescale_matches_oracle(monkeypatch, d, causal, seqlen_q, seqlen_k, growing_max):
+    """With the row max kept while it grows by <= 8 (log2), out and LSE are still the softmax's.
+
+    `growing_max` adds a ramp that raises every row's max by ~5 (log2 units) per 128 keys in the
+    order the kernel visits them (last key block first), so some blocks keep the reference and
+    others move it; causal 1001 x 333 has rows that see no key (out 0, LSE -inf).
+    """
+    backend = _lazy_rescale_backend(monkeypatch)
+    torch.manual_seed(d + seqlen_k + growing_max)
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, 2, 2, d, d, torch.bfloat16)
+    args = _args(d, causal)
+    if growing_max:
+        q[..., 0] = 8.0
+        per_key = 5.0 / 128 / (8 * args.softmax_scale * math.log2(math.e))
+        k[..., 0] = (per_key * torch.arange(seqlen_k - 1, -1, -1, device="cuda")).to(k.dtype)[None, :, None]
+    out, lse = run_forward(backend, q, k, v, args)
+    assert backend.config(q, k, v, lse, args).lazy_rescale
     check_forward(out, lse, q, k, v, args)

@@ -5,6 +5,15 @@ scores were already soft-capped), so p = 2^(s * scale_log2 - max * scale_log2) i
 one MUFU.EX2 per element. A row whose max is still -inf (everything masked so far) uses 0 as
 its reference instead, so no -inf - (-inf) is ever formed: such rows get p = 0, a rescale
 factor 0, and at the end a sum of 0, which the epilogue turns into output 0 and LSE -inf.
+
+Lazy rescale (`rescale_threshold` > 0, a compile-time choice): a row keeps its old maximum as
+the reference while the new one exceeds it by at most `rescale_threshold` (log2 units, after
+scaling), so P stays at most 2^threshold (256 for 8: well inside fp16 and bf16) and the row's
+correction factor is exactly 1. The reference only ever moves up to a true running maximum, so
+it never lags by more than the threshold; the row sum, O and the LSE (`row_max` holds the
+reference) all use the same reference, so the result is the softmax's up to rounding. A row
+that is still all -inf never keeps its reference (the test sees -inf), so a fully masked row
+still ends with sum 0: output 0, LSE -inf.
 """
 
 from __future__ import annotations
@@ -32,16 +41,17 @@ def rescale_factor(prev_max: Float32, ref_max: Float32, scale_log2: Float32) -> 
 @dataclass(frozen=True)
 class OnlineSoftmax:
     scale_log2: Float32
-    row_max: cute.Tensor  # per thread row, already reduced over the quad
+    row_max: cute.Tensor  # per thread row, already reduced over the quad: the exp reference
     row_sum: cute.Tensor  # per thread row, partial over this thread's columns
+    rescale_threshold: cutlass.Constexpr[float] = 0.0  # > 0: lazy rescale (module docstring)
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return OnlineSoftmax(scale_log2, row_max, row_sum)
+        return OnlineSoftmax(scale_log2, row_max, row_sum, rescale_threshold)
 
     @cute.jit
     def step(self, acc_S: cute.Tensor, acc_O: cute.Tensor, is_first: cutlass.Constexpr[bool]):
@@ -70,16 +80,27 @@ class OnlineSoftmax:
             ref_max = 0.0 if new_max == -Float32.inf else new_max
             ref = ref_max * self.scale_log2
             row_sum = Float32(0.0)
+            if cutlass.const_expr(not is_first):
+                # The factor before the exponentials: O's rescale then depends only on the row
+                # max, so it need not wait for the exp loop at the tail of the block.
+                factor = rescale_factor(prev_max, ref_max, self.scale_log2)
+                if cutlass.const_expr(self.rescale_threshold > 0.0):
+                    # false for a -inf prev_max (the product is -inf) and for NaN
+                    keep = (prev_max - ref_max) * self.scale_log2 >= -self.rescale_threshold
+                    ref_max = prev_max if keep else ref_max
+                    ref = ref_max * self.scale_log2
+                    new_max = prev_max if keep else new_max
+                    # A row with nothing accumulated yet (prev_max -inf: its O and sum are 0)
+                    # needs no rescale either, so that it does not force its warp's.
+                    unit = keep | (prev_max == -Float32.inf)
+                    factor = Float32(1.0) if unit else factor
+                correction[r] = factor
+                row_sum = self.row_sum[r] * factor
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 p = exp2f(acc_S_mn[r, c] * self.scale_log2 - ref)
                 acc_S_mn[r, c] = p
                 row_sum += p
-            if cutlass.const_expr(is_first):
-                self.row_sum[r] = row_sum
-            else:
-                factor = rescale_factor(prev_max, ref_max, self.scale_log2)
-                self.row_sum[r] = self.row_sum[r] * factor + row_sum
-                correction[r] = factor
+            self.row_sum[r] = row_sum
             self.row_max[r] = new_max
 
     @staticmethod
@@ -90,6 +111,20 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * correction[r]
+
+    @staticmethod
+    @cute.jit
+    def rescale_O_unless_unit(acc_O: cute.Tensor, correction: cute.Tensor):
+        """`rescale_O`, skipped by the whole warp when no row of it has a factor other than 1.
+
+        Worth it with the lazy rescale, where most blocks keep every row's reference: the vote
+        makes the branch warp-uniform, and each warp owns its rows of acc_O.
+        """
+        needed = correction[0] != 1.0
+        for r in cutlass.range_constexpr(1, cute.size(correction)):
+            needed = needed | (correction[r] != 1.0)
+        if cute.arch.vote_any_sync(needed):
+            OnlineSoftmax.rescale_O(acc_O, correction)
 
     @cute.jit
     def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):

@@ -171,3 +171,36 @@ def cp_async_tile(tiled_copy: cute.TiledCopy, tXgX: cute.Tensor, tXsX: cute.Tens
                     cute.copy(tiled_copy, tXgX[None, m, k], tXsX[None, m, k])
                 else:
                     tXsX[None, m, k].fill(0)
+
+
+@dsl_user_op
+def pack_f32x2(lo, hi, dtype, *, loc=None, ip=None) -> cutlass.Int32:
+    """(lo, hi) rounded to nearest even into one 32-bit word of two 16-bit `dtype` values, lo in
+    the low half: one `cvt.rn.{bf16x2,f16x2}.f32` (the PTX takes the high operand first)."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+            f"cvt.rn.{kind}.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@cute.jit
+def store_pairs_16bit(src: cute.Tensor, dst: cute.Tensor):
+    """dst (16-bit, compact) = src (float32), two neighbouring elements per conversion.
+
+    `dst.store(src.load().to(dtype))` packs pairs only for some tile widths (128 and 64 columns of
+    a WGMMA accumulator); at 96 or 80 it converted one element at a time and then needed PRMTs to
+    pack them, twice the F2FP count plus the PRMTs.
+    """
+    dst_words = cute.recast_tensor(dst, cutlass.Int32)
+    for i in cutlass.range_constexpr(cute.size(dst_words)):
+        dst_words[i] = pack_f32x2(src[2 * i], src[2 * i + 1], dst.element_type)

@@ -47,8 +47,8 @@ from ..common.mask import AttentionMask
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
 from ..common.softmax import OnlineSoftmax
-from ..common.utils import acc_mn_view, col_predicate, tanhf
-from .fwd_config import Sm90FwdConfig
+from ..common.utils import acc_mn_view, col_predicate, store_pairs_16bit, tanhf
+from .fwd_config import LAZY_RESCALE_LOG2, Sm90FwdConfig
 from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
 
 # Named barriers (0 is __syncthreads): the consumers' epilogue, then one per consumer
@@ -228,7 +228,6 @@ class FlashFwdSm90:
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         window_left_eff, window_right_eff = effective_window(seqlen, window_left, window_right, cfg.local)
         block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, window_left_eff, window_right_eff)
-        n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
 
         num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
@@ -239,6 +238,9 @@ class FlashFwdSm90:
         if m_block * cfg.tile_m < seqlen.seqlen_q:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(cfg.registers[1])
+                # The key-block range is computed on each side of the register split: a range
+                # computed before it stays live into the producer's 24 registers (which spilled).
+                n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
                 if warp_idx == 0 and n_block_max > n_block_min:
                     self.load(
                         tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
@@ -247,6 +249,7 @@ class FlashFwdSm90:
                     )
             else:
                 cute.arch.setmaxregister_increase(cfg.registers[0])
+                n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
                 ctidx = tidx - 128
                 mask = AttentionMask(
                     cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff, window_right_eff
@@ -320,11 +323,18 @@ class FlashFwdSm90:
         wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
         thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
         thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
+        # The shared-memory operands are the same for every thread of a warpgroup: slicing them
+        # by the warpgroup's first thread (a warp-uniform value) keeps the WGMMA descriptors in
+        # uniform registers; slicing by the thread index made ptxas rebuild them per thread
+        # (R2UR and descriptor arithmetic before every HGMMA). Only the accumulator
+        # partitions (partition_C, partition_shape_C) are per thread.
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
         # Vᵀ (dv, n, stage) over V's bytes: the B operand of P·V.
         sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
-        tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
-        tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
-        tOrVt = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
+        tSrQ = tiled_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = tiled_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
         acc_O.fill(0.0)
         rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), self.dtype)
@@ -334,8 +344,10 @@ class FlashFwdSm90:
         # thread 0's coordinates: compile-time constants for the mask's comparisons
         t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_qk.get_slice(0).partition_C(cS)))
         num_rows = cute.size(tScS_mn, mode=[0])
-        softmax = OnlineSoftmax.create(softmax_scale_log2, num_rows)
+        softmax = OnlineSoftmax.create(softmax_scale_log2, num_rows, LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0)
         correction = cute.make_rmem_tensor(num_rows, Float32)
+        if cutlass.const_expr(cfg.rescale_o_before_pv):
+            correction.fill(1.0)  # the first block leaves no factor; O is still 0 then
 
         if cutlass.const_expr(cfg.pingpong):
             # The first warpgroup holds the first GEMM-issue turn.
@@ -355,7 +367,7 @@ class FlashFwdSm90:
             pipeline_k.consumer_release(kv)
             self.scores_to_probs(acc_S, n_last, True, True, cfg.causal, cfg.local,
                                  softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
-            rP.store(acc_S.load().to(self.dtype))
+            self.probs_to_16bit(acc_S, rP)
             if cutlass.const_expr(cfg.seqused_k):
                 self.zero_unused_keys(sV, kv, seqlen.seqlen_k - n_last * cfg.tile_n, ctidx, pipeline_v)
             if cutlass.const_expr(not cfg.intra_wg_overlap):
@@ -381,6 +393,8 @@ class FlashFwdSm90:
                     mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
                 )
             if cutlass.const_expr(cfg.intra_wg_overlap):
+                if cutlass.const_expr(cfg.rescale_o_before_pv):
+                    self.rescale_O(softmax, acc_O, correction)
                 self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
 
         self.epilogue(acc_O, softmax, mO, mLSE, tma_O, tma_mO, sO, seqlen, tiled_mma_pv, thr_mma_pv,
@@ -409,6 +423,10 @@ class FlashFwdSm90:
             cute.arch.barrier(barrier_id=BARRIER_PINGPONG + wg_idx, number_of_threads=256)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
         gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], zero_init=True)
+        if cutlass.const_expr(cfg.rescale_o_before_pv):
+            # block n + 1's factors, for the O that P(n + 1) V(n + 1) is about to add to; S(n)'s
+            # GEMM does not touch acc_O
+            self.rescale_O(softmax, acc_O, correction)
         if cutlass.const_expr(cfg.intra_wg_overlap):
             pipeline_v.consumer_wait(kv)
             gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False)
@@ -422,11 +440,36 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.intra_wg_overlap):
             warpgroup.wait_group(0)  # P·V is done with rP and acc_O
             pipeline_v.consumer_release(kv)
-        softmax.rescale_O(acc_as_mma_sync(acc_O), correction)
-        rP.store(acc_S.load().to(self.dtype))
+        if cutlass.const_expr(not cfg.rescale_o_before_pv):
+            self.rescale_O(softmax, acc_O, correction)
+        self.probs_to_16bit(acc_S, rP)
         if cutlass.const_expr(not cfg.intra_wg_overlap):
             kv_s = self.pv_block(kv_s, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
         return kv_s
+
+    @cute.jit
+    def rescale_O(self, softmax: OnlineSoftmax, acc_O, correction):
+        """O *= the last softmax's correction factors (with the lazy rescale a warp skips this
+        when all of its factors are 1)."""
+        if cutlass.const_expr(self.cfg.lazy_rescale):
+            softmax.rescale_O_unless_unit(acc_as_mma_sync(acc_O), correction)
+        else:
+            softmax.rescale_O(acc_as_mma_sync(acc_O), correction)
+
+    @cute.jit
+    def probs_to_16bit(self, acc_S, rP):
+        """P rounded to 16 bits into rP (round to nearest even).
+
+        `.to()` packs two values per F2FP only when tile_n is a multiple of 64 (SASS at 64 and
+        128); at 80 and 96 it converted one value at a time and packed them with PRMT (twice the
+        F2FP, plus the PRMTs), so those tiles convert explicitly in pairs. The multiples of 64
+        keep `.to()`: the same F2FPs, and the explicit form perturbed ptxas's register choice
+        there (uniform-register descriptors back in vector registers at hd 256, tile_n 64).
+        """
+        if cutlass.const_expr(self.cfg.tile_n % 64 == 0):
+            rP.store(acc_S.load().to(self.dtype))
+        else:
+            store_pairs_16bit(acc_S, rP)
 
     @cute.jit
     def zero_unused_keys(self, sV, kv, rows_valid, ctidx, pipeline_v):

@@ -17,12 +17,20 @@ H100/H200's 227 KB.
 | 96  | 128 x 128       | 2            | 2      | 240 / 24                   | yes       |
 | 128 | 128 x 128       | 2            | 2      | 240 / 24                   | yes       |
 | 192 | 128 x 96        | 2            | 2      | 240 / 24                   | no        |
-| 256 | 128 x 64        | 2            | 2      | 240 / 24                   | no        |
+| 256 | 128 x 80        | 2            | 2      | 240 / 24                   | no        |
 
 Ping-pong (named barriers handing the GEMM-issue turn from one consumer warpgroup to the next)
-pays when the softmax of a block is long next to its GEMMs; with tile_n 96 or 64 and a wide head
+pays when the softmax of a block is long next to its GEMMs; with tile_n 96 or 80 and a wide head
 dim the GEMMs dominate and the warpgroups are better left to run freely. The intra-warpgroup
-overlap is on everywhere.
+overlap is on everywhere. With dv > 128, O is rescaled while the next S = Q Kᵀ runs, before P·V
+is issued (`rescale_o_before_pv`, as flash-attn-4's sm90 kernel does). At hd 256, tile_n 80
+(flash-attn-4's too) fills the shared memory to 226 KB and spreads each loop iteration's fixed
+work over 25 % more keys than 64.
+
+`lazy_rescale` (off in the shipped table until measured): a row keeps its old maximum as the
+exp reference while the new one exceeds it by at most `LAZY_RESCALE_LOG2` (P <= 2^8), and a
+warp skips the rescale of its O rows when none of them changed reference (see
+`common/softmax.py`).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ TILES = {
     96: Tile(128, 128, 2, 2, True),
     128: Tile(128, 128, 2, 2, True),
     192: Tile(128, 96, 2, 2, False),
-    256: Tile(128, 64, 2, 2, False),
+    256: Tile(128, 80, 2, 2, False),
 }
 
 # setmaxnreg budgets (consumer, producer) per number of consumer warpgroups: the totals
@@ -57,6 +65,10 @@ TILES = {
 REGISTERS = {2: (240, 24), 3: (160, 32)}
 
 SMEM_LIMIT = 227 * 1024
+
+# Lag allowed to a row's exp reference behind its maximum with `lazy_rescale`, in log2 units:
+# P <= 2^8 stays exact enough in fp16 / bf16 (as flash-attn-4's sm100 kernel does for 16-bit).
+LAZY_RESCALE_LOG2 = 8.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,10 @@ class Sm90FwdConfig:
     varlen_k: bool = False
     seqused_k: bool = False
     has_lse: bool = True
+    lazy_rescale: bool = False  # keep a row's max unless it grows by > LAZY_RESCALE_LOG2
+    # Rescale O while S = Q Kᵀ of the next block runs, before P·V is issued, instead of after
+    # P·V is waited for: the FMULs of a wide O then overlap the QK GEMM (make_config: dv > 128)
+    rescale_o_before_pv: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -86,6 +102,8 @@ class Sm90FwdConfig:
             raise ValueError(f"num_consumer_wgs must be one of {tuple(REGISTERS)}; got {self.num_consumer_wgs}")
         if self.pingpong and not self.intra_wg_overlap:
             raise ValueError("pingpong orders the overlapped GEMM issue; it needs intra_wg_overlap")
+        if self.rescale_o_before_pv and not self.intra_wg_overlap:
+            raise ValueError("rescale_o_before_pv moves the rescale of the overlapped loop; it needs intra_wg_overlap")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16 (the k of P·V); got {self.tile_n}")
         if self.smem_bytes > SMEM_LIMIT:
@@ -115,6 +133,10 @@ class Sm90FwdConfig:
             flags.append("nooverlap")
         if not self.pingpong:
             flags.append("nopingpong")
+        if self.lazy_rescale:
+            flags.append("lazy")
+        if self.rescale_o_before_pv:
+            flags.append("early_rescale")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}wg{self.num_consumer_wgs}s{self.num_stages}"
         return "_".join(["fwd_sm90", self.dtype, hd, tile] + flags)
@@ -129,6 +151,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = TILES[max(hd, hdv)]
     flags.setdefault("pingpong", tile.pingpong and flags.get("intra_wg_overlap", True))
+    # only a wide O has enough FMULs to be worth hiding (flash-attn-4 draws the same line)
+    flags.setdefault("rescale_o_before_pv", hdv > 128 and flags.get("intra_wg_overlap", True))
     return Sm90FwdConfig(
         dtype=dtype,
         head_dim=hd,
@@ -164,6 +188,9 @@ def shipped_configs() -> list:
             replace(base, has_lse=False),
         ]
     configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64)]
+    # the lazy rescale, to be measured against the shipped kernels (benchmarks/ab_sm90_fwd.py)
+    configs += [make_config("bfloat16", d, d, causal=causal, lazy_rescale=True)
+                for d in (64, 128, 256) for causal in (False, True)]
     return configs
 
 

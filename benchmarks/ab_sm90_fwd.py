@@ -1,0 +1,205 @@
+"""A/B of the sm_90 forward's softmax schedule: the shipped kernels against `lazy_rescale`, next to
+flash-attn-4.
+
+    python benchmarks/ab_sm90_fwd.py                      # GPU: check, then time every case
+    python benchmarks/ab_sm90_fwd.py --head-dims 128 --causal-only
+    python benchmarks/ab_sm90_fwd.py --compile-only       # CPU: registers and spills only
+
+Cases: bf16, head dims 64 / 128 / 256, causal and not, batch x seqlen x heads = 2 x 8192 x 16
+(32 heads at head dim 64, the same FLOPs per head dim squared). Variants of each case:
+
+* `eager`: the shipped configuration (`make_config`), i.e. what `cute_flash.forward` runs;
+* `lazy`: the same with `lazy_rescale=True` (a row keeps its exp reference while its max grows by
+  at most 8 in log2 units; a warp skips O's rescale when none of its rows changed reference);
+* at head dim 256 only, each of this branch's other two changes undone alone: `n64` (tile_n 64,
+  the old tile, instead of 80) and `late` (`rescale_o_before_pv=False`: O rescaled after P·V
+  is waited for, as before);
+* `fa4`: `flash_attn.cute.interface.flash_attn_func`, when importable (timed, not checked).
+
+As in `tune_tiles.py`, a variant is first checked against the float32 reference (out by the
+benchmark's tolerance rule, LSE to 1e-3 where finite and -inf where the row sees no key) on small
+problems chosen to exercise the rescale: 2 x 333/1001 x 2 heads of random data; the same with
+a ramp that makes every row's max grow by ~5 (log2 units) per key block, so that some blocks keep
+the reference and others move it; and, when causal, 1001 queries over 333 keys, whose first 668
+rows see no key (out 0, LSE -inf). A wrong variant is reported and not timed. Then
+`triton.testing.do_bench` (median of 100 ms after 25 ms of warm-up) times the big case.
+
+One line per case: TFLOP/s of each variant (forward FLOPs 4·b·h·s²·d, halved when causal) and
+lazy's gain over eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+HEADS = {64: 32, 128: 16, 256: 16}
+
+
+def variants(head_dim: int, causal: bool) -> list:
+    """(label, config) of the cute variants of one case."""
+    from cute_flash.kernels.sm90.fwd_config import make_config
+
+    shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
+    out = [("eager", shipped), ("lazy", replace(shipped, lazy_rescale=True))]
+    if head_dim == 256:
+        out += [("n64", replace(shipped, tile_n=64)), ("late", replace(shipped, rescale_o_before_pv=False))]
+    return out
+
+
+def compile_only(cases) -> None:
+    from cute_flash.audit import AuditTarget, audit_target
+    from cute_flash.kernels.sm90.fwd_config import compile_fwd
+
+    for d, causal in cases:
+        cells = []
+        for label, config in variants(d, causal):
+            row = audit_target(AuditTarget(config.name, "sm_90a", lambda opts, c=config: compile_fwd(c, opts)))
+            state = row.error or ("SPILLS" if row.spills else "ok")
+            cells.append(f"{label} {row.registers} regs spill {row.spill_stores or 0}/{row.spill_loads or 0} {state}")
+        print(f"hd{d:<3} {'causal' if causal else 'full  '}  " + " | ".join(cells), flush=True)
+
+
+def check_problems(d: int, causal: bool, dtype):
+    """(name, q, k, v) small problems on which every variant must match the reference."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=torch.float32, device="cuda", generator=g)
+
+    out = []
+    q, k, v = randn(2, 333, 2, d), randn(2, 1001, 2, d), randn(2, 1001, 2, d)
+    out.append(("random 333/1001", q, k, v))
+    # Scores (in log2 units: q0 * k0 * scale * log2(e), q0 = 8) grow by 5 per 128-key block towards
+    # key 0, as the kernels visit key blocks from the last one down.
+    ramp = torch.linspace(5.0 * 1001 / 128, 0.0, 1001, device="cuda") / (8 * d ** -0.5 * math.log2(math.e))
+    q2, k2 = q.clone(), k.clone()
+    q2[..., 0] = 8.0
+    k2[..., 0] = ramp[None, :, None]
+    out.append(("growing max 333/1001", q2, k2, v))
+    if causal:
+        out.append(("empty rows 1001/333", randn(2, 1001, 2, d), randn(2, 333, 2, d), randn(2, 333, 2, d)))
+    return [(name, *(t.to(dtype) for t in (q, k, v))) for name, q, k, v in out]
+
+
+def check(run, problems, attn_args, dtype) -> str | None:
+    """None if `run` matches the reference on every problem, else what went wrong."""
+    import torch
+
+    from bench_lib import within_tolerance
+    from cute_flash.backends.reference import reference_attention
+
+    for name, q, k, v in problems:
+        b, sq, h, _ = q.shape
+        args = attn_args()
+        ref, ref_lse = reference_attention(q, k, v, args)
+        ref_torch, _ = reference_attention(q, k, v, args, compute_dtype=dtype)
+        out = torch.full_like(q, math.nan)
+        lse = torch.full((b, h, sq), math.nan, device="cuda")
+        run(q, k, v, out, lse, args)
+        torch.cuda.synchronize()
+        passed, err, bound = within_tolerance(out, ref, ref_torch, dtype)
+        if not passed:
+            return f"{name}: out error {err:.3g} > {bound:.3g}"
+        finite = torch.isfinite(ref_lse)
+        if not torch.equal(torch.isfinite(lse), finite) or (lse[~finite] != -math.inf).any():
+            return f"{name}: LSE not -inf exactly where the row sees no key"
+        lse_err = (lse[finite] - ref_lse[finite]).abs().max().item()
+        if not lse_err <= 1e-3:
+            return f"{name}: LSE error {lse_err:.3g} > 1e-3"
+    return None
+
+
+def on_gpu(cases, args) -> None:
+    import torch
+    from triton.testing import do_bench
+
+    from cute_flash.backends import get_backend
+    from cute_flash.backends.base import AttnArgs
+
+    backend = get_backend("cute-sm90")
+    ka = backend.cache.args
+    dtype = torch.bfloat16
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except ImportError:
+        flash_attn_func = None
+
+    def bench(fn) -> float:
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    print(f"sm_90 forward A/B, bf16, batch {args.batch} x seqlen {args.seqlen}; TFLOP/s (median of do_bench)")
+    for d, causal in cases:
+        h = HEADS[d]
+        b, s = args.batch, args.seqlen
+        flops = 4 * b * h * s * s * d / (2 if causal else 1)
+
+        def attn_args(d=d, causal=causal):
+            return AttnArgs(softmax_scale=d ** -0.5, causal=causal, window_right=0 if causal else -1)
+
+        problems = check_problems(d, causal, dtype)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda", generator=g) for _ in range(3))
+        o = torch.empty_like(q)
+        lse = torch.empty(b, h, s, device="cuda")
+        cells, speed = [], {}
+        for label, config in variants(d, causal):
+            try:
+                fn = backend.cache.get(config, backend.arch())[0]
+
+                def run(q_, k_, v_, out_, lse_, a_, fn=fn):
+                    backend.launch(fn, q_, k_, v_, out_, lse_, a_, ka)
+
+                wrong = check(run, problems, attn_args, dtype)
+                if wrong:
+                    cells.append(f"{label} WRONG ({wrong})")
+                    continue
+                ms = bench(lambda: run(q, k, v, o, lse, attn_args()))
+                speed[label] = flops / ms * 1e-9
+                cells.append(f"{label} {speed[label]:6.1f}")
+            except Exception as exc:  # one broken variant must not hide the others
+                cells.append(f"{label} FAILED ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+        if flash_attn_func is not None:
+            ms = bench(lambda: flash_attn_func(q, k, v, causal=causal))
+            speed["fa4"] = flops / ms * 1e-9
+            cells.append(f"fa4 {speed['fa4']:6.1f}")
+        if "eager" in speed and "lazy" in speed:
+            cells.append(f"lazy/eager {100 * (speed['lazy'] / speed['eager'] - 1):+.1f}%")
+        print(f"hd{d:<3} {'causal' if causal else 'full  '} h{h:<2} | " + " | ".join(cells), flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dims", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256])
+    p.add_argument("--causal-only", action="store_true")
+    p.add_argument("--full-only", action="store_true", help="non-causal cases only")
+    p.add_argument("--compile-only", action="store_true", help="registers and spills only (no GPU needed)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seqlen", type=int, default=8192)
+    args = p.parse_args(argv)
+    for d in args.head_dims:
+        if d not in HEADS:
+            p.error(f"--head-dims: {d} is not one of {tuple(HEADS)}")
+    masks = [False, True]
+    if args.causal_only:
+        masks = [True]
+    elif args.full_only:
+        masks = [False]
+    cases = [(d, causal) for d in args.head_dims for causal in masks]
+    if args.compile_only:
+        compile_only(cases)
+    else:
+        on_gpu(cases, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
