@@ -1,5 +1,5 @@
-"""A/B of the sm_90 forward's softmax schedule: the shipped kernels against `lazy_rescale`, next to
-flash-attn-4.
+"""A/B of the sm_90 forward's softmax schedule: the shipped kernels (lazy rescale) against the eager
+rescale, next to flash-attn-4.
 
     python benchmarks/ab_sm90_fwd.py                      # GPU: check, then time every case
     python benchmarks/ab_sm90_fwd.py --head-dims 128 --causal-only
@@ -8,12 +8,12 @@ flash-attn-4.
 Cases: bf16, head dims 64 / 128 / 256, causal and not, batch x seqlen x heads = 2 x 8192 x 16
 (32 heads at head dim 64, the same FLOPs per head dim squared). Variants of each case:
 
-* `eager`: the shipped configuration (`make_config`), i.e. what `cute_flash.forward` runs;
-* `lazy`: the same with `lazy_rescale=True` (a row keeps its exp reference while its max grows by
-  at most 8 in log2 units; a warp skips O's rescale when none of its rows changed reference);
-* at head dim 256 only, each of this branch's other two changes undone alone: `n64` (tile_n 64,
-  the old tile, instead of 80) and `late` (`rescale_o_before_pv=False`: O rescaled after P·V
-  is waited for, as before);
+* `lazy`: the shipped configuration (`make_config`), i.e. what `cute_flash.forward` runs: a row
+  keeps its exp reference while its max grows by at most 8 in log2 units, and a warp skips O's
+  rescale when none of its rows changed reference;
+* `eager`: the same with `lazy_rescale=False` (every block moves the reference and rescales O);
+* at head dim 256 only: `n80` (tile_n 80 instead of 64) and `late` (`rescale_o_before_pv=False`:
+  O rescaled after P·V is waited for);
 * `fa4`: `flash_attn.cute.interface.flash_attn_func`, when importable (timed, not checked).
 
 As in `tune_tiles.py`, a variant is first checked against the float32 reference (out by the
@@ -47,9 +47,9 @@ def variants(head_dim: int, causal: bool) -> list:
     from cute_flash.kernels.sm90.fwd_config import make_config
 
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
-    out = [("eager", shipped), ("lazy", replace(shipped, lazy_rescale=True))]
+    out = [("lazy", shipped), ("eager", replace(shipped, lazy_rescale=False))]
     if head_dim == 256:
-        out += [("n64", replace(shipped, tile_n=64)), ("late", replace(shipped, rescale_o_before_pv=False))]
+        out += [("n80", replace(shipped, tile_n=80)), ("late", replace(shipped, rescale_o_before_pv=False))]
     return out
 
 

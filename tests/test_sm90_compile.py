@@ -38,6 +38,13 @@ def test_sm90_config_rejects_impossible_choices():
         fc.make_config("float16", 64, 64, intra_wg_overlap=False, pingpong=True)
 
 
+@pytest.mark.parametrize("headdim", fc.TILE_HEADDIMS)
+def test_sm90_shipped_tiles_rescale_lazily_and_keep_the_eager_variant_compiled(headdim):
+    assert fc.make_config("bfloat16", headdim, headdim, causal=True).lazy_rescale
+    eager = [c for c in fc.shipped_configs() if not c.lazy_rescale]
+    assert eager and all("eagerrescale" in c.name.split("_") for c in eager)
+
+
 def test_sm90_config_is_a_hashable_cache_key_with_distinct_names():
     configs = fc.shipped_configs()
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))

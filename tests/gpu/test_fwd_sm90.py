@@ -214,26 +214,28 @@ def test_sm90_fwd_schedule_variants_agree(overlap, pingpong):
     check_forward(out, lse, q, k, v, args)
 
 
-def _lazy_rescale_backend(monkeypatch):
-    """The sm_90 backend with `lazy_rescale` set on every configuration it picks."""
+def _rescale_backend(monkeypatch, lazy: bool):
+    """The sm_90 backend with `lazy_rescale` set to `lazy` on every configuration it picks."""
     backend = _backend()
     plain = backend.config
-    monkeypatch.setattr(backend, "config", lambda *a, **kw: replace(plain(*a, **kw), lazy_rescale=True))
+    monkeypatch.setattr(backend, "config", lambda *a, **kw: replace(plain(*a, **kw), lazy_rescale=lazy))
     return backend
 
 
+@pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("growing_max", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024), (1001, 333), (4224, 4224)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_sm90_fwd_lazy_rescale_matches_oracle(monkeypatch, d, causal, seqlen_q, seqlen_k, growing_max):
-    """With the row max kept while it grows by <= 8 (log2), out and LSE are still the softmax's.
+def test_sm90_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_q, seqlen_k, growing_max, lazy):
+    """Lazy (the row max kept while it grows by <= 8, log2; shipped) or eager (every block moves
+    it): out and LSE are the softmax's either way.
 
     `growing_max` adds a ramp that raises every row's max by ~5 (log2 units) per 128 keys in the
     order the kernel visits them (last key block first), so some blocks keep the reference and
     others move it; causal 1001 x 333 has rows that see no key (out 0, LSE -inf).
     """
-    backend = _lazy_rescale_backend(monkeypatch)
+    backend = _rescale_backend(monkeypatch, lazy)
     torch.manual_seed(d + seqlen_k + growing_max)
     q, k, v = _qkv(2, seqlen_q, seqlen_k, 2, 2, d, d, torch.bfloat16)
     args = _args(d, causal)
@@ -242,5 +244,5 @@ def test_sm90_fwd_lazy_rescale_matches_oracle(monkeypatch, d, causal, seqlen_q, 
         per_key = 5.0 / 128 / (8 * args.softmax_scale * math.log2(math.e))
         k[..., 0] = (per_key * torch.arange(seqlen_k - 1, -1, -1, device="cuda")).to(k.dtype)[None, :, None]
     out, lse = run_forward(backend, q, k, v, args)
-    assert backend.config(q, k, v, lse, args).lazy_rescale
+    assert backend.config(q, k, v, lse, args).lazy_rescale == lazy
     check_forward(out, lse, q, k, v, args)
