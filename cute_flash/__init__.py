@@ -53,14 +53,32 @@ def forward(
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__} {return_lse!r}")
     common = _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, seqused_k, page_table, num_splits, backend, check, out)
-    if out is None:
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if out is not None and needs_grad:
+        raise ValueError("out= is for inference; use cute_flash.attention for gradients (or torch.no_grad())")
+    if not needs_grad and _plain_eager(q, k, v, out):
+        o, lse = ops.run_fwd(q, k, v, *common[:11], backend, check, out=out)
+    elif out is None:
         o, lse = torch.ops.cute_flash.fwd(q, k, v, *common[:11], False, backend, check)
     else:
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise ValueError("out= is for inference; use cute_flash.attention for gradients (or torch.no_grad())")
         lse = torch.ops.cute_flash.fwd_out(q, k, v, out, *common[:11], backend, check)
         o = out
     return (o, lse) if return_lse else o
+
+
+def _plain_eager(*tensors) -> bool:
+    """Whether nothing but this call would see the op: not compiling or exporting, plain tensors
+    (no fake or functional subclass), no Python dispatch mode. Then `forward` runs the op's
+    implementation directly (`ops.run_fwd`), saving the dispatcher's host time per call."""
+    if torch.compiler.is_compiling():
+        return False
+    if any(t is not None and type(t) is not torch.Tensor for t in tensors):
+        return False
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+    except ImportError:  # a torch without it: take the op, which is always right
+        return False
+    return _get_current_dispatch_mode() is None
 
 
 def attention(

@@ -24,12 +24,22 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal
     )
 
 
-def _run_fwd(call: api.Call, q, k, v, out: torch.Tensor) -> torch.Tensor:
+def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
+            softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check, out=None):
+    """What `fwd` and `fwd_out` run: validate, then the backend's forward; returns (out, lse).
+
+    `cute_flash.forward` calls this directly when neither autograd nor a tracer (torch.compile,
+    torch.export, a fake or dispatch mode) needs the op: the same checks and kernels, without the
+    dispatcher's host time."""
+    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
+                     softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check, out=out)
+    if out is None:
+        out = torch.empty(call.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        return lse.fill_(float("-inf"))
+        return out, lse.fill_(float("-inf"))
     call.backend.fwd(q, k, v, out, lse, call.args)
-    return lse
+    return out, lse
 
 
 def _lse_shape(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]):
@@ -59,10 +69,8 @@ def fwd(
     check: Optional[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward; returns (out, lse). `deterministic` is kept for the backward."""
-    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
-                     softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check)
-    out = torch.empty(call.out_shape, dtype=q.dtype, device=q.device)
-    return out, _run_fwd(call, q, k, v, out)
+    return run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
+                   softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check)
 
 
 @fwd.register_fake
@@ -93,9 +101,8 @@ def fwd_out(
     check: Optional[bool],
 ) -> torch.Tensor:
     """Attention forward into a caller-provided `out` (inference, CUDA graphs); returns lse."""
-    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
-                     softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check, out=out)
-    return _run_fwd(call, q, k, v, out)
+    return run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
+                   softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check, out=out)[1]
 
 
 @fwd_out.register_fake

@@ -105,3 +105,58 @@ def test_lse_gradient_flows():
     lse.sum().backward()
     # d lse / d v = 0 (lse does not depend on v); d lse / d q != 0.
     assert torch.all(v.grad == 0) and q.grad.abs().sum() > 0
+
+
+class _ForwardModule(torch.nn.Module):
+    def forward(self, q, k, v):
+        return cute_flash.forward(q, k, v, causal=True)
+
+
+def test_export_module_calling_forward_records_the_op():
+    q, k, v = _qkv()
+    exported = torch.export.export(_ForwardModule(), (q, k, v))
+    assert any("cute_flash" in str(n.target) for n in exported.graph.nodes)
+    torch.testing.assert_close(exported.module()(q, k, v), cute_flash.forward(q, k, v, causal=True))
+
+
+def test_forward_without_autograd_runs_the_ops_implementation_directly_with_the_same_result():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, v = _qkv()
+    assert cute_flash._plain_eager(q, k, v, None)
+    with FakeTensorMode() as mode:
+        assert not cute_flash._plain_eager(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v), None)
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as rec:
+        traced, traced_lse = cute_flash.forward(q, k, v, causal=True, return_lse=True)
+    assert any("cute_flash" in name for name in rec.ops)  # under a dispatch mode the op is what runs
+
+    direct, lse = cute_flash.forward(q, k, v, causal=True, return_lse=True)
+    op_out, op_lse = torch.ops.cute_flash.fwd(*_fwd_args(q, k, v, True))
+    for got in (direct, traced):
+        torch.testing.assert_close(got, op_out, rtol=0, atol=0)
+    for got in (lse, traced_lse):
+        torch.testing.assert_close(got, op_lse, rtol=0, atol=0)
+    into = torch.full_like(op_out, float("nan"))
+    assert cute_flash.forward(q, k, v, causal=True, out=into) is into
+    torch.testing.assert_close(into, op_out, rtol=0, atol=0)
+
+
+def test_forward_with_autograd_goes_through_the_differentiable_op():
+    q, k, v = _qkv(requires_grad=True)
+    out = cute_flash.forward(q, k, v, causal=True)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    with torch.no_grad():
+        assert cute_flash.forward(q, k, v, causal=True).grad_fn is None
