@@ -436,19 +436,12 @@ class CuteSm90Backend(_CuteBackend):
         return super().fwd(q, k, v, out, lse, args, workspace)
 
     # The sm_90 backward kernel (kernels/sm90/bwd.py: TMA, WGMMA, warp-specialized) for the calls
-    # it takes (`native_backward_takes`), the sm_80 kernels for the others; off until
-    # tests/gpu/test_bwd_sm90.py has passed on a GPU.
-    # First H200 run: benchmarks/compare_bwd_kernels.py matched the sm_80 kernel's gradients and
-    # speed on its 6 fixed-length shapes; the GPU tests gave 162 passed, 21 failed, all with
-    # "an illegal instruction was encountered". The first failure of each pytest-xdist worker was
-    # a varlen case (test_sm90_bwd_varlen_and_seqused_k, d 64 and 128, causal or not, with or
-    # without seqused_k); the other 16 failures (padded head dims, dlse, fully masked rows, unseen
-    # key blocks, packed q, expanded dO, 4 GiB offsets, sm_80 comparison, seqused_k at d 128) came
-    # after a crash on the same worker and have not run on a clean context; every fixed-length
-    # case that ran before a crash passed. Cause found since: in a varlen batch the LSE / D TMA box
-    # started at cu_seqlens_q[b], not 16-byte aligned in its innermost dimension (only those
-    # boxes start off 0); it now starts at the aligned row below and is 4 rows longer. Not yet
-    # run on a GPU: benchmarks/bwd_sm90_triage.py runs each of those cases in its own process.
+    # it takes (`native_backward_takes`), the sm_80 kernels for the others. Correct on an H200:
+    # tests/gpu/test_bwd_sm90.py 183 passed and the 18 cases of benchmarks/bwd_sm90_triage.py
+    # passed, after the varlen LSE / D TMA boxes were made to start on a 16-byte boundary (the
+    # illegal instruction of its first run). Off because it is slower than the sm_80 kernels on
+    # the same GPU (benchmarks/compare_bwd_kernels.py: 2.50 vs 2.24 ms at 2 x 4096 x 16 heads,
+    # hd128, causal; 4.72 vs 4.05 ms at 2 x 4096 x 32 heads, hd64).
     native_backward: bool = False
 
     def native_backward_takes(self, q, k, v, args: AttnArgs, deterministic: bool) -> bool:
