@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from bench_lib import decode_bytes
+from bench_lib import capture_graph, decode_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ATOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7}
@@ -70,19 +70,6 @@ def paged_copy(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Gene
         cache[perm] = x.reshape(num_pages, page_size, *x.shape[2:])
         caches.append(cache)
     return caches[0], caches[1], perm.to(torch.int32).view(batch, pages_per_seq)
-
-
-def graph_of(fn):
-    """A CUDA graph of one call of `fn`, warmed up on a side stream first as capture requires."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def check(out, q, k, v, page_table, seqused_k, scale, sequences: int) -> tuple:
@@ -151,7 +138,7 @@ def main(argv=None) -> int:
                     cache = f"paged {page_size}" if page_size else "contiguous"
                     try:
                         with torch.no_grad():
-                            graph = graph_of(call)
+                            graph, _ = capture_graph(call)
                             out.fill_(float("nan"))  # the replay must write every row again
                             graph.replay()
                             torch.cuda.synchronize()

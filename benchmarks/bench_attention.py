@@ -36,7 +36,8 @@ if str(HERE.parent) not in sys.path:
 import torch  # noqa: E402
 
 from bench_lib import (DTYPES, ERROR, MODES, NOT_APPLICABLE, NOT_RUN, OK, OOM, QUICK, WRONG, Case, Result,  # noqa: E402
-                       Sweep, build_cases, complete_cases, format_size, parse_size, parse_sizes, throughput)
+                       Sweep, build_cases, capture_graph, complete_cases, format_size, parse_size, parse_sizes,
+                       throughput)
 
 DEFAULT_OUT = HERE / "results"
 
@@ -265,20 +266,6 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:240]
 
 
-def _graph_replay(fn):
-    """A CUDA graph of one call of `fn` (warmed up on a side stream first, as capture requires);
-    returns (its replay, the output tensor each replay writes)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
-
-
 def run_cell(runner, case: Case, x, oracle_of, timer, graph: bool = False) -> Result:
     """Check, then time, one provider on one case (`graph`: time forward and decode as CUDA-graph
     replays)."""
@@ -313,7 +300,8 @@ def run_cell(runner, case: Case, x, oracle_of, timer, graph: bool = False) -> Re
                 with torch.no_grad():
                     if graph:
                         try:
-                            replay, graph_out = _graph_replay(fn)
+                            captured, graph_out = capture_graph(fn)
+                            replay = captured.replay
                         except Exception as e:
                             return Result(case, runner.name, ERROR, message=f"CUDA-graph capture: {_short(e)}")
                         graph_out.fill_(float("nan"))  # the replay must write the output again, and right

@@ -249,3 +249,20 @@ def within_tolerance(out: torch.Tensor, ref: torch.Tensor, out_torch: torch.Tens
     err = (out.float() - ref).abs().max().item()
     tol = 2.0 * (out_torch.float() - ref).abs().max().item() + rounding_atol(ref, dtype)
     return (not math.isnan(err)) and err <= tol, err, tol
+
+
+# ---- CUDA graphs --------------------------------------------------------------------------
+
+
+def capture_graph(fn):
+    """A CUDA graph of one call of `fn` (warmed up on a side stream first, as capture requires);
+    returns (the graph, what the captured call returned: the tensors each replay writes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
