@@ -51,19 +51,33 @@ def forward(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__} {return_lse!r}")
-    common = _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
-                          max_seqlen_q, max_seqlen_k, seqused_k, page_table, num_splits, backend, check, out)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    _check_check(check)
+    needs_grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     if out is not None and needs_grad:
         raise ValueError("out= is for inference; use cute_flash.attention for gradients (or torch.no_grad())")
     if not needs_grad and _plain_eager(q, k, v, out):
-        o, lse = ops.run_fwd(q, k, v, *common[:11], backend, check, out=out)
-    elif out is None:
+        # one api.validate: every check the op path makes (eagerly, then in the op)
+        call = api.validate(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, page_table=page_table, num_splits=num_splits, out=out,
+            backend=backend, check=check,
+        )
+        o, lse = ops.run_fwd(call, q, k, v, out)
+        return (o, lse) if return_lse else o
+    common = _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, seqused_k, page_table, num_splits, backend, check, out)
+    if out is None:
         o, lse = torch.ops.cute_flash.fwd(q, k, v, *common[:11], False, backend, check)
     else:
         lse = torch.ops.cute_flash.fwd_out(q, k, v, out, *common[:11], backend, check)
         o = out
     return (o, lse) if return_lse else o
+
+
+def _check_check(check) -> None:
+    if check is not None and not isinstance(check, bool):
+        raise TypeError(f"check must be a bool or None; got {type(check).__name__} {check!r}")
 
 
 def _plain_eager(*tensors) -> bool:
@@ -117,8 +131,7 @@ def _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlen
                  max_seqlen_k, seqused_k, page_table, num_splits, backend, check, out):
     """Check eagerly what the ops' schema would otherwise reject with a less useful message
     (argument types, scalars); the op itself runs the full `api.validate` exactly once."""
-    if check is not None and not isinstance(check, bool):
-        raise TypeError(f"check must be a bool or None; got {type(check).__name__} {check!r}")
+    _check_check(check)
     if not torch.compiler.is_compiling():
         api.check_scalars(causal, softmax_scale, window_size, softcap, max_seqlen_q, max_seqlen_k, num_splits, backend)
         tensors = dict(k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,

@@ -24,15 +24,12 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal
     )
 
 
-def run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
-            softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check, out=None):
-    """What `fwd` and `fwd_out` run: validate, then the backend's forward; returns (out, lse).
+def run_fwd(call: api.Call, q, k, v, out: Optional[torch.Tensor] = None) -> tuple:
+    """What `fwd` and `fwd_out` run after validation: the backend's forward; returns (out, lse).
 
-    `cute_flash.forward` calls this directly when neither autograd nor a tracer (torch.compile,
-    torch.export, a fake or dispatch mode) needs the op: the same checks and kernels, without the
-    dispatcher's host time."""
-    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
-                     softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check, out=out)
+    `cute_flash.forward` calls this directly, on its own `api.validate`, when neither autograd nor
+    a tracer (torch.compile, torch.export, a fake or dispatch mode) needs the op: the same checks
+    and kernels, without the dispatcher's host time."""
     if out is None:
         out = torch.empty(call.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
@@ -69,8 +66,9 @@ def fwd(
     check: Optional[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward; returns (out, lse). `deterministic` is kept for the backward."""
-    return run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
-                   softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check)
+    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
+                     softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check)
+    return run_fwd(call, q, k, v)
 
 
 @fwd.register_fake
@@ -101,8 +99,9 @@ def fwd_out(
     check: Optional[bool],
 ) -> torch.Tensor:
     """Attention forward into a caller-provided `out` (inference, CUDA graphs); returns lse."""
-    return run_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
-                   softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check, out=out)[1]
+    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, causal, softmax_scale, window_size,
+                     softcap, max_seqlen_q, max_seqlen_k, num_splits, backend, check, out=out)
+    return run_fwd(call, q, k, v, out)[1]
 
 
 @fwd_out.register_fake
