@@ -53,27 +53,30 @@ def configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple
     """(preprocess, main, postprocess) configurations for a validated call."""
     from ..kernels.sm80 import bwd_config
 
-    dtype = _DTYPE_NAMES[q.dtype]
-    varlen_q = args.cu_seqlens_q is not None
-    main = bwd_config.make_config(dtype, q.shape[-1], v.shape[-1], deterministic=deterministic, **kernel_flags(args))
-    pre = bwd_config.make_pre_config(dtype, v.shape[-1], varlen_q=varlen_q, has_dlse=dlse is not None)
-    post = bwd_config.make_post_config(dtype, q.shape[-1], varlen_q=varlen_q)
-    return pre, main, post
+    main = bwd_config.make_config(_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], deterministic=deterministic,
+                                  **kernel_flags(args))
+    return _row_kernel_configs(q, v, dlse, args, main)
 
 
 def sm90_configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple:
     """(preprocess, main, postprocess) configurations of `backward_sm90` for a validated call;
     NotImplementedError, saying why, for a call its main kernel does not take."""
-    from ..kernels.sm80 import bwd_config
     from ..kernels.sm90 import bwd_config as sm90_bwd_config
 
     if deterministic:
         raise NotImplementedError("deterministic=True: the sm_90 backward kernel has no ordered dQ accumulation")
     if args.page_table is not None:
         raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
+    main = sm90_bwd_config.make_config(_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], **kernel_flags(args))
+    return _row_kernel_configs(q, v, dlse, args, main)
+
+
+def _row_kernel_configs(q, v, dlse, args: AttnArgs, main) -> tuple:
+    """(preprocess, main, postprocess): the sm_80 row kernels around either main kernel."""
+    from ..kernels.sm80 import bwd_config
+
     dtype = _DTYPE_NAMES[q.dtype]
     varlen_q = args.cu_seqlens_q is not None
-    main = sm90_bwd_config.make_config(dtype, q.shape[-1], v.shape[-1], **kernel_flags(args))
     pre = bwd_config.make_pre_config(dtype, v.shape[-1], varlen_q=varlen_q, has_dlse=dlse is not None)
     post = bwd_config.make_post_config(dtype, q.shape[-1], varlen_q=varlen_q)
     return pre, main, post
@@ -111,6 +114,25 @@ def _without_launch(q, k, dq, dk, dv, args: AttnArgs) -> bool:
     return False
 
 
+def _run(backend, pre, post, launch_main, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, dq,
+         args: AttnArgs, num_batch: int, max_seqlen_q: int) -> None:
+    """Preprocess, main kernel (`launch_main()`, called with q's device current), postprocess, in
+    that order on the current stream of q's device."""
+    arch = backend.arch(q.device)
+    fn_pre, _ = kernel_cache().get(pre, arch)
+    fn_post, _ = kernel_cache().get(post, arch)
+    a = kernel_cache().args
+    cu_q = a.tensor(args.cu_seqlens_q, 4)
+    with a.context(q.device):
+        fn_pre(
+            a.tensor(out, 16), a.tensor(dout, 16), a.tensor(lse, 4), a.tensor(dlse, 4), a.tensor(lse_log2, 4),
+            a.tensor(delta, 4), cu_q, a.i32(num_batch), a.i32(max_seqlen_q), *a.stream(),
+        )
+        launch_main()
+        fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),
+                a.f32(args.softmax_scale), *a.stream())
+
+
 def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
     """Write dq, dk, dv in place (see the module docstring)."""
     from ..kernels.common.softmax import softmax_constants
@@ -132,27 +154,21 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
     dq_sem = (torch.zeros(num_batch, q.shape[-2], -(-max_seqlen_q // main.tile_m), dtype=torch.int32, device=q.device)
               if deterministic else None)
 
-    arch = backend.arch(q.device)
-    fn_pre, _ = kernel_cache().get(pre, arch)
-    fn_main, _ = kernel_cache().get(main, arch)
-    fn_post, _ = kernel_cache().get(post, arch)
+    fn_main, _ = kernel_cache().get(main, backend.arch(q.device))
     scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)
     a = kernel_cache().args
-    cu_q, cu_k, used_k = (a.tensor(t, 4) for t in (args.cu_seqlens_q, args.cu_seqlens_k, args.seqused_k))
-    with a.context(q.device):
-        fn_pre(
-            a.tensor(out, 16), a.tensor(dout, 16), a.tensor(lse, 4), a.tensor(dlse, 4), a.tensor(lse_log2, 4),
-            a.tensor(delta, 4), cu_q, a.i32(num_batch), a.i32(max_seqlen_q), *a.stream(),
-        )
+
+    def launch_main():
         fn_main(
             a.tensor(q, 16), a.tensor(k, 16), a.tensor(v, 16), a.tensor(dout, 16), a.tensor(lse_log2, 4),
-            a.tensor(delta, 4), a.tensor(dq_accum, 16), a.tensor(dk, 16), a.tensor(dv, 16), cu_q, cu_k, used_k,
+            a.tensor(delta, 4), a.tensor(dq_accum, 16), a.tensor(dk, 16), a.tensor(dv, 16),
+            a.tensor(args.cu_seqlens_q, 4), a.tensor(args.cu_seqlens_k, 4), a.tensor(args.seqused_k, 4),
             a.tensor(dq_sem, 4), a.i32(num_batch), a.i32(max_seqlen_k), a.f32(args.softmax_scale), a.f32(scale_log2),
             a.f32(softcap_prescale), a.i32(args.window_left), a.i32(args.window_right), *a.stream(),
         )
-        fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),
-                a.f32(args.softmax_scale), *a.stream())
 
+    _run(backend, pre, post, launch_main, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, dq, args,
+         num_batch, max_seqlen_q)
 
 
 def _tma_row_stats(lse: torch.Tensor) -> torch.Tensor:
@@ -179,19 +195,11 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
     delta = _tma_row_stats(lse)
     dq_accum = torch.zeros(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)
 
-    arch = backend.arch(q.device)
-    fn_pre, _ = kernel_cache().get(pre, arch)
-    fn_main, _ = sm90_kernel_cache().get(main, arch)
-    fn_post, _ = kernel_cache().get(post, arch)
+    fn_main, _ = sm90_kernel_cache().get(main, backend.arch(q.device))
     scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)
-    a = kernel_cache().args
     m = sm90_kernel_cache().args
-    cu_q = a.tensor(args.cu_seqlens_q, 4)
-    with a.context(q.device):
-        fn_pre(
-            a.tensor(out, 16), a.tensor(dout, 16), a.tensor(lse, 4), a.tensor(dlse, 4), a.tensor(lse_log2, 4),
-            a.tensor(delta, 4), cu_q, a.i32(num_batch), a.i32(max_seqlen_q), *a.stream(),
-        )
+
+    def launch_main():
         fn_main(
             m.tensor(q, 16), m.tensor(k, 16), m.tensor(v, 16), m.tensor(dout, 16), m.tensor(lse_log2, 16),
             m.tensor(delta, 16), m.tensor(dq_accum, 16), m.tensor(dk, 16), m.tensor(dv, 16),
@@ -199,5 +207,6 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
             m.i32(num_batch), m.i32(max_seqlen_k), m.f32(args.softmax_scale), m.f32(scale_log2),
             m.f32(softcap_prescale), m.i32(args.window_left), m.i32(args.window_right), *m.stream(),
         )
-        fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),
-                a.f32(args.softmax_scale), *a.stream())
+
+    _run(backend, pre, post, launch_main, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, dq, args,
+         num_batch, max_seqlen_q)
