@@ -37,6 +37,31 @@ def fake_int_vector():
     return fake_tensor(cutlass.Int32, 1)
 
 
+def fake_forward_arguments(config) -> tuple:
+    """The arguments every forward kernel's `__call__` starts with, for a config with the
+    forward's fields (dtype, varlen_q/k, seqused_k, has_lse): q, k, v, out, lse, cu_seqlens_q/k,
+    seqused_k, then the scalars."""
+    import cutlass
+
+    dtype = element_type(config.dtype)
+    return (
+        fake_tokens(dtype, config.varlen_q),  # q
+        fake_tokens(dtype, config.varlen_k),  # k
+        fake_tokens(dtype, config.varlen_k),  # v
+        fake_tokens(dtype, config.varlen_q),  # out
+        fake_tensor(cutlass.Float32, 2 if config.varlen_q else 3) if config.has_lse else None,
+        fake_int_vector() if config.varlen_q else None,
+        fake_int_vector() if config.varlen_k else None,
+        fake_int_vector() if config.seqused_k else None,
+        cutlass.Int32(1),  # num_batch
+        cutlass.Int32(1),  # max_seqlen_q
+        cutlass.Float32(1.0),  # softmax_scale_log2
+        cutlass.Float32(1.0),  # softcap_prescale
+        cutlass.Int32(-1),  # window_left
+        cutlass.Int32(-1),  # window_right
+    )
+
+
 def fake_stream(options: str):
     """The stream argument to compile with: a placeholder CUstream, or, for a kernel compiled with
     `--enable-tvm-ffi`, TVM-FFI's environment stream (the caller's current stream; the launch

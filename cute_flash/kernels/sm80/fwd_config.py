@@ -190,38 +190,19 @@ def shipped_configs() -> list:
 # compiling a configuration (no GPU needed: fake tensors with symbolic sizes and 64-bit strides)
 # ------------------------------------------------------------------------------------------------
 def fake_arguments(config: Sm80FwdConfig) -> tuple:
-    """Arguments of `FlashFwdSm80.__call__` (less the stream) for `cute.compile`."""
+    """Arguments of `FlashFwdSm80.__call__` (less the stream) for `cute.compile`: the forward's
+    common ones, then the paged / split-KV ones."""
     import cutlass
 
-    from ..common.fake_tensors import element_type, fake_int_vector, fake_tensor, fake_tokens
+    from ..common.fake_tensors import fake_forward_arguments, fake_tensor
 
-    dtype = element_type(config.dtype)
     lse_rank = 2 if config.varlen_q else 3
     page_table = fake_tensor(cutlass.Int32, 2) if config.paged_kv else None
     # split-KV partials: out-shaped and LSE-shaped with a leading split mode; rows of O are
     # whole float32 vectors of 4
     o_partial = fake_tensor(cutlass.Float32, 5 - config.varlen_q, 4, 16) if config.split_kv else None
     lse_partial = fake_tensor(cutlass.Float32, lse_rank + 1) if config.split_kv else None
-    return (
-        fake_tokens(dtype, config.varlen_q),  # q
-        fake_tokens(dtype, config.varlen_k),  # k
-        fake_tokens(dtype, config.varlen_k),  # v
-        fake_tokens(dtype, config.varlen_q),  # out
-        fake_tensor(cutlass.Float32, lse_rank) if config.has_lse else None,
-        fake_int_vector() if config.varlen_q else None,
-        fake_int_vector() if config.varlen_k else None,
-        fake_int_vector() if config.seqused_k else None,
-        cutlass.Int32(1),  # num_batch
-        cutlass.Int32(1),  # max_seqlen_q
-        cutlass.Float32(1.0),  # softmax_scale_log2
-        cutlass.Float32(1.0),  # softcap_prescale
-        cutlass.Int32(-1),  # window_left
-        cutlass.Int32(-1),  # window_right
-        page_table,
-        o_partial,
-        lse_partial,
-        cutlass.Int32(1),  # num_splits
-    )
+    return fake_forward_arguments(config) + (page_table, o_partial, lse_partial, cutlass.Int32(1))  # num_splits
 
 
 def compile_fwd(config: Sm80FwdConfig, options: str = "--gpu-arch sm_80"):

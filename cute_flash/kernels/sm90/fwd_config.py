@@ -201,28 +201,9 @@ def shipped_configs() -> list:
 def fake_arguments(config: Sm90FwdConfig) -> tuple:
     """Arguments of `FlashFwdSm90.__call__` (less the stream) for `cute.compile` (TMA needs the
     16-byte strides that `fake_tokens` promises)."""
-    import cutlass
+    from ..common.fake_tensors import fake_forward_arguments
 
-    from ..common.fake_tensors import element_type, fake_int_vector, fake_tensor, fake_tokens
-
-    dtype = element_type(config.dtype)
-    lse = fake_tensor(cutlass.Float32, 2 if config.varlen_q else 3) if config.has_lse else None
-    return (
-        fake_tokens(dtype, config.varlen_q),  # q
-        fake_tokens(dtype, config.varlen_k),  # k
-        fake_tokens(dtype, config.varlen_k),  # v
-        fake_tokens(dtype, config.varlen_q),  # out
-        lse,
-        fake_int_vector() if config.varlen_q else None,
-        fake_int_vector() if config.varlen_k else None,
-        fake_int_vector() if config.seqused_k else None,
-        cutlass.Int32(1),  # num_batch
-        cutlass.Int32(1),  # max_seqlen_q
-        cutlass.Float32(1.0),  # softmax_scale_log2
-        cutlass.Float32(1.0),  # softcap_prescale
-        cutlass.Int32(-1),  # window_left
-        cutlass.Int32(-1),  # window_right
-    )
+    return fake_forward_arguments(config)
 
 
 def compile_fwd(config: Sm90FwdConfig, options: str = "--gpu-arch sm_90a"):
