@@ -26,36 +26,10 @@ import sys
 
 import torch
 
-from bench_lib import capture_graph, decode_bytes
+from bench_lib import capture_graph, decode_bytes, make_timer, parse_sizes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ATOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7}
-
-
-def parse_ints(text: str) -> list:
-    return [int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in text.split(",") if x]
-
-
-def make_timer(warmup_ms: float, rep_ms: float):
-    try:
-        from triton.testing import do_bench
-
-        return lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    except ImportError:
-        def timer(fn, iters: int = 200):
-            for _ in range(10):
-                fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(iters):
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            return sorted(times)[len(times) // 2]
-
-        return timer
 
 
 def paged_copy(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Generator):
@@ -111,14 +85,14 @@ def main(argv=None) -> int:
     import cute_flash
 
     dtype, dev = DTYPES[args.dtype], "cuda"
-    timer = make_timer(args.warmup, args.rep)
+    _, timer = make_timer(args.warmup, args.rep)
     scale = args.headdim**-0.5
     print(f"# cute_flash from {cute_flash.__file__}; {torch.cuda.get_device_name()}; {args.dtype}, "
           f"{args.nheads} heads over {args.nheads_k}, d {args.headdim}, seqused_k {args.seqused}")
     print(f"{'label':8} {'batch':>5} {'keys':>6} {'cache':>10} {'splits':>6} {'us':>9} {'TB/s':>6}  check")
     failures = 0
-    for batch in parse_ints(args.batches):
-        for seqlen_k in parse_ints(args.seqlens):
+    for batch in parse_sizes(args.batches):
+        for seqlen_k in parse_sizes(args.seqlens):
             gen = torch.Generator(device=dev).manual_seed(batch * 7 + seqlen_k)
             q = torch.randn(batch, 1, args.nheads, args.headdim, generator=gen, device=dev, dtype=dtype)
             k = torch.randn(batch, seqlen_k, args.nheads_k, args.headdim, generator=gen, device=dev, dtype=dtype)
@@ -126,11 +100,11 @@ def main(argv=None) -> int:
             seqused_k = torch.full((batch,), seqlen_k, dtype=torch.int32, device=dev) if args.seqused else None
             nbytes = decode_bytes(batch, 1, seqlen_k, args.nheads, args.nheads_k, args.headdim, None,
                                   q.element_size())
-            for page_size in parse_ints(args.page_sizes):
+            for page_size in parse_sizes(args.page_sizes):
                 if page_size and seqlen_k % page_size:
                     continue
                 kc, vc, table = (k, v, None) if not page_size else paged_copy(k, v, page_size, gen)
-                for splits in parse_ints(args.num_splits):
+                for splits in parse_sizes(args.num_splits):
                     out = torch.empty_like(q)
                     call = lambda: cute_flash.forward(  # noqa: E731
                         q, kc, vc, page_table=table, max_seqlen_k=seqlen_k if page_size else None,

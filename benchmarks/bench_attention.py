@@ -21,7 +21,6 @@ import argparse
 import datetime
 import importlib.metadata
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -36,8 +35,8 @@ if str(HERE.parent) not in sys.path:
 import torch  # noqa: E402
 
 from bench_lib import (DTYPES, ERROR, MODES, NOT_APPLICABLE, NOT_RUN, OK, OOM, QUICK, WRONG, Case, Result,  # noqa: E402
-                       Sweep, build_cases, capture_graph, complete_cases, format_size, parse_size, parse_sizes,
-                       throughput)
+                       Sweep, build_cases, capture_graph, complete_cases, format_size, make_timer, parse_size,
+                       parse_sizes, throughput)
 
 DEFAULT_OUT = HERE / "results"
 
@@ -189,37 +188,6 @@ def collect_meta(args, argv, timer: str) -> dict:
         "command": command_line(argv),
         "notes": [],
     }
-
-
-def make_timer(warmup_ms: float, rep_ms: float):
-    """(name, fn -> median ms): triton's do_bench, or CUDA events when Triton is missing."""
-    try:
-        from triton.testing import do_bench
-    except ImportError:
-        do_bench = None
-    if do_bench is not None:
-        def timer(fn, grad_to_none=None):
-            return do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
-
-        return "triton.testing.do_bench (median)", timer
-
-    def events(fn, grad_to_none=None):
-        def once():
-            for t in grad_to_none or ():
-                t.grad = None
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-
-        first = once()
-        for _ in range(max(1, int(warmup_ms / max(first, 1e-3)))):
-            once()
-        return statistics.median(once() for _ in range(max(5, int(rep_ms / max(first, 1e-3)))))
-
-    return "CUDA events (median)", events
 
 
 def make_inputs(case: Case, seed: int = 0):

@@ -17,6 +17,7 @@ Nothing here touches a GPU; the CPU tests cover all of it.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -266,3 +267,37 @@ def capture_graph(fn):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+# ---- timing -------------------------------------------------------------------------------
+
+
+def make_timer(warmup_ms: float, rep_ms: float):
+    """(name, fn -> median ms): triton's do_bench, or CUDA events when Triton is missing."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+        def timer(fn, grad_to_none=None):
+            return do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
+
+        return "triton.testing.do_bench (median)", timer
+
+    def events(fn, grad_to_none=None):
+        def once():
+            for t in grad_to_none or ():
+                t.grad = None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+
+        first = once()
+        for _ in range(max(1, int(warmup_ms / max(first, 1e-3)))):
+            once()
+        return statistics.median(once() for _ in range(max(5, int(rep_ms / max(first, 1e-3)))))
+
+    return "CUDA events (median)", events
