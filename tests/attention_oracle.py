@@ -100,6 +100,17 @@ def check_forward(out, lse, q, k, v, args: AttnArgs):
     return ref, ref_lse
 
 
+def strided_qkv(device="cuda") -> tuple:
+    """Seeded bf16 q (2, 390, 4, 64) sliced out of a packed qkv tensor, k and v (2, 390, 4, 64)
+    from separate buffers with other row strides (k with padded rows, v every other head)."""
+    torch.manual_seed(11)
+    qkv = torch.randn(2, 390, 3, 4, 64, dtype=torch.bfloat16, device=device)
+    q = qkv[:, :, 0]
+    k = torch.randn(2, 390, 4, 64 + 32, dtype=torch.bfloat16, device=device)[..., :64]
+    v = torch.randn(2, 390, 8, 64, dtype=torch.bfloat16, device=device)[:, :, ::2]
+    return q, k, v
+
+
 def inputs_beyond_4gib() -> tuple:
     """q (2, 70, 8, 128) and k, v (2, 2^20 + 64, 8, 128), bf16 on the GPU, seeded: more than 2^31
     elements in k and in v, so batch 1 starts 4 GiB into each."""

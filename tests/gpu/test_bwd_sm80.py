@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from attention_oracle import backend_or_skip, check_backward, nan_framed_kv, randn_in_nan
+from attention_oracle import backend_or_skip, check_backward, nan_framed_kv, randn_in_nan, strided_qkv
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention
 
@@ -142,11 +142,7 @@ def test_bwd_no_nan_for_fully_masked_rows():
 
 
 def test_bwd_non_contiguous_q_from_packed_qkv():
-    torch.manual_seed(11)
-    qkv = torch.randn(2, 390, 3, 4, 64, dtype=torch.bfloat16, device="cuda")
-    q = qkv[:, :, 0]
-    k = torch.randn(2, 390, 4, 64 + 32, dtype=torch.bfloat16, device="cuda")[..., :64]
-    v = torch.randn(2, 390, 8, 64, dtype=torch.bfloat16, device="cuda")[:, :, ::2]
+    q, k, v = strided_qkv()
     assert len({q.stride(1), k.stride(1), v.stride(1)}) == 3
     _check(q, k, v, _args(64, causal=True, window_right=0))
 

@@ -19,7 +19,9 @@ import math
 import pytest
 import torch
 
-from attention_oracle import backend_or_skip, check_backward, inputs_beyond_4gib, nan_framed_kv, randn_in_nan
+from attention_oracle import (
+    backend_or_skip, check_backward, inputs_beyond_4gib, nan_framed_kv, randn_in_nan, strided_qkv,
+)
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention
 
@@ -182,11 +184,7 @@ def test_sm90_bwd_key_blocks_no_query_sees_get_zero_dk_dv():
 
 
 def test_sm90_bwd_non_contiguous_q_from_packed_qkv():
-    torch.manual_seed(11)
-    qkv = torch.randn(2, 390, 3, 4, 64, dtype=torch.bfloat16, device="cuda")
-    q = qkv[:, :, 0]
-    k = torch.randn(2, 390, 4, 64 + 32, dtype=torch.bfloat16, device="cuda")[..., :64]
-    v = torch.randn(2, 390, 8, 64, dtype=torch.bfloat16, device="cuda")[:, :, ::2]
+    q, k, v = strided_qkv()
     assert len({q.stride(1), k.stride(1), v.stride(1)}) == 3
     _check(q, k, v, _args(64, causal=True, window_right=0))
 

@@ -13,7 +13,10 @@ import math
 import pytest
 import torch
 
-from attention_oracle import SEQLEN_PAIRS, backend_or_skip, check_forward, check_offsets_beyond_4gib, nan_framed_kv, randn_in_nan, run_forward
+from attention_oracle import (
+    SEQLEN_PAIRS, backend_or_skip, check_forward, check_offsets_beyond_4gib, nan_framed_kv, randn_in_nan,
+    run_forward, strided_qkv,
+)
 from cute_flash.backends.base import AttnArgs
 
 pytestmark = pytest.mark.gpu
@@ -136,11 +139,7 @@ def test_fwd_headdim_v_differs(d, dv, causal):
 
 def test_fwd_non_contiguous_inputs():
     """q sliced out of a packed qkv tensor; k and v from separate buffers with other row strides."""
-    torch.manual_seed(11)
-    qkv = torch.randn(2, 390, 3, 4, 64, dtype=torch.bfloat16, device="cuda")
-    q = qkv[:, :, 0]
-    k = torch.randn(2, 390, 4, 64 + 32, dtype=torch.bfloat16, device="cuda")[..., :64]
-    v = torch.randn(2, 390, 8, 64, dtype=torch.bfloat16, device="cuda")[:, :, ::2]
+    q, k, v = strided_qkv()
     assert k.stride(1) != v.stride(1) != q.stride(1)
     _check(q, k, v, _args(64, causal=True, window_right=0))
 

@@ -14,7 +14,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from attention_oracle import SEQLEN_PAIRS, backend_or_skip, check_forward, check_offsets_beyond_4gib, randn_in_nan, run_forward
+from attention_oracle import (
+    SEQLEN_PAIRS, backend_or_skip, check_forward, check_offsets_beyond_4gib, randn_in_nan, run_forward, strided_qkv,
+)
 from cute_flash.backends.base import AttnArgs
 
 pytestmark = pytest.mark.gpu
@@ -152,11 +154,7 @@ def test_sm90_fwd_headdim_v_differs(d, dv, causal):
 
 def test_sm90_fwd_non_contiguous_inputs():
     """q sliced out of a packed qkv tensor; k and v from separate buffers with other row strides."""
-    torch.manual_seed(11)
-    qkv = torch.randn(2, 390, 3, 4, 64, dtype=torch.bfloat16, device="cuda")
-    q = qkv[:, :, 0]
-    k = torch.randn(2, 390, 4, 64 + 32, dtype=torch.bfloat16, device="cuda")[..., :64]
-    v = torch.randn(2, 390, 8, 64, dtype=torch.bfloat16, device="cuda")[:, :, ::2]
+    q, k, v = strided_qkv()
     assert len({q.stride(1), k.stride(1), v.stride(1)}) == 3
     _check(q, k, v, _args(64, True))
 
