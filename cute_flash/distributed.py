@@ -144,8 +144,10 @@ def _ring_backward(dout, dlse, q, k, v, out, lse, ring: _Ring, layout, causal, s
             dk_acc[:, keys] += g_k
             dv_acc[:, keys] += g_v
         # The accumulators follow their K/V shard; after the last step one more hop brings
-        # them home (rank r then holds the gradients of its own shard).
-        (dk_acc, dv_acc), grad_requests = ring.start((dk_acc, dv_acc))
+        # them home (rank r then holds the gradients of its own shard). Alone, they are home.
+        grad_requests = []
+        if ring.world > 1:
+            (dk_acc, dv_acc), grad_requests = ring.start((dk_acc, dv_acc))
         ring.wait(requests + grad_requests)
         if incoming is not None:
             kv = tuple(incoming)

@@ -77,7 +77,7 @@ def _check_case(rank, world, causal, layout, nheads_k, use_mesh):
     torch.testing.assert_close(gather_sequence(shards, layout), ref_out.detach(), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_ring_attention_equals_single_process_causal_or_not_gqa_and_mesh(world):
     mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
 
