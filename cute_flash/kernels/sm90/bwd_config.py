@@ -105,7 +105,8 @@ class Sm90BwdConfig:
         q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
         ds = self.tile_n * self.tile_m
         lse_d = 2 * 4 * self.num_stages * self.stat_stage_stride
-        return 2 * (k_v + q_do + ds) + lse_d + 1024  # + mbarriers and alignment
+        dq = 4 * NUM_CONSUMER_WGS * self.tile_m * self.head_dim  # fp32 dQ partials, one per warpgroup
+        return 2 * (k_v + q_do + ds) + lse_d + dq + 1024  # + mbarriers and alignment
 
     @property
     def name(self) -> str:
