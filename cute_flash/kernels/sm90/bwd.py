@@ -30,12 +30,19 @@ formed in registers and dK/dV are written once, in the input dtype.
    / 128 registers of dK and dV, the fp32 S^T and dP^T tiles and two 16-bit ones do not fit
    next to more in flight (see `bwd_config.py`).
    Each warpgroup multiplies only its own 64 rows of K, V and dS^T, so the two never wait for
-   each other: each adds its partial dQ (over its own keys) to the fp32 accumulator in global
-   memory with `red.add` (the preprocess kernel cleared it; the postprocess kernel scales and
-   rounds it). The softmax scale is applied once: to dK here and to dQ in the postprocess.
+   each other: each writes its partial dQ (over its own keys, fp32) to its own shared-memory
+   tile, and its first warp adds that tile to the fp32 accumulator in global memory with one
+   TMA reduce-add (`cp.reduce.async.bulk.tensor`; the preprocess kernel cleared the
+   accumulator, the postprocess kernel scales and rounds it). Before the tile is rewritten for
+   the next query block that warp waits for the previous reduce-add to have read it. Scalar
+   `red.add`s from registers, 64 per thread and block, kept the L2 so busy that the kernel ran
+   at under a third of this speed. The softmax scale is applied once: to dK here and to dQ in the postprocess.
    dK and dV start from their first query block's GEMMs, not from a zero fill: the compiler
    would hoist the zeros above the warp-role branch and spill them there.
-3. Epilogue: dK (scaled) and dV rounded to the input dtype (RNE), stored row-predicated.
+3. Epilogue: dK (scaled) and dV rounded to the input dtype (RNE), stored row-predicated. TMA
+   clips the dQ reduce-adds at the tensor's last row; in a varlen batch the rows of a block past
+   its sequence are those of the next one, and they get + 0.0 (P^T, so dS^T and that part of
+   dQ, is 0 there).
 
 Tails: a query block that reaches past seqlen_q, a key block that reaches past seqlen_k and the
 query blocks on a causal diagonal or window edge take the masked path, where P^T is set (not
