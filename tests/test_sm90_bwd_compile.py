@@ -123,18 +123,19 @@ def _q(d=64):
     return torch.zeros(1, 8, 1, d, dtype=torch.float16)
 
 
-def test_sm90_native_backward_is_opt_in_and_takes_only_what_its_kernel_does():
+def test_sm90_native_backward_is_the_default_and_takes_only_what_its_kernel_does():
     from cute_flash.backends.cute import CuteSm90Backend
 
-    assert CuteSm90Backend.native_backward is False  # until tests/gpu/test_bwd_sm90.py has passed
+    assert CuteSm90Backend.native_backward is True
     backend = CuteSm90Backend()
     q = _q()
-    assert not backend.native_backward_takes(q, q, q, AttnArgs(0.1), False)
-    backend.native_backward = True
+    assert backend.native_backward_takes(q, q, q, AttnArgs(0.1), False)
     assert backend.native_backward_takes(q, q, q, AttnArgs(0.1, causal=True, window_right=0), False)
     assert not backend.native_backward_takes(q, q, q, AttnArgs(0.1), True)  # deterministic
     assert not backend.native_backward_takes(_q(256), _q(256), _q(256), AttnArgs(0.1), False)
     assert not backend.native_backward_takes(q, q, _q(128), AttnArgs(0.1), False)  # head dim of V
+    backend.native_backward = False  # the sm_80 kernels for everything
+    assert not backend.native_backward_takes(q, q, q, AttnArgs(0.1), False)
 
 
 def test_sm90_bwd_audit_targets_cover_every_shipped_config():

@@ -436,13 +436,12 @@ class CuteSm90Backend(_CuteBackend):
         return super().fwd(q, k, v, out, lse, args, workspace)
 
     # The sm_90 backward kernel (kernels/sm90/bwd.py: TMA, WGMMA, warp-specialized) for the calls
-    # it takes (`native_backward_takes`), the sm_80 kernels for the others. Correct on an H200:
-    # tests/gpu/test_bwd_sm90.py 183 passed and the 18 cases of benchmarks/bwd_sm90_triage.py
-    # passed, after the varlen LSE / D TMA boxes were made to start on a 16-byte boundary (the
-    # illegal instruction of its first run). Off because it is slower than the sm_80 kernels on
-    # the same GPU (benchmarks/compare_bwd_kernels.py: 2.50 vs 2.24 ms at 2 x 4096 x 16 heads,
-    # hd128, causal; 4.72 vs 4.05 ms at 2 x 4096 x 32 heads, hd64).
-    native_backward: bool = False
+    # it takes (`native_backward_takes`: head dims up to 128, equal for Q and V, not
+    # deterministic), the sm_80 kernels for the others. With its dQ partials added by TMA
+    # reduce-adds it is the faster of the two on an H200 (b2 x 4096 x 16 heads, hd128, bf16:
+    # 1.67 vs 4.17 ms, causal 0.97 vs 2.24 ms).
+    # Set False on an instance to run every backward on the sm_80 kernels.
+    native_backward: bool = True
 
     def native_backward_takes(self, q, k, v, args: AttnArgs, deterministic: bool) -> bool:
         """Whether `bwd` runs this call on the sm_90 backward kernel."""

@@ -193,9 +193,9 @@ def test_bwd_deterministic_is_the_oracle_and_the_same_every_run(case):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_sm90_backend_runs_its_backward_on_these_kernels(causal):
-    """cute-sm90 hands its backward to these kernels: directly, and through autograd on
-    `cute_flash.attention` (forward on the sm_90 kernel, backward here)."""
+def test_the_sm90_backend_backward_directly_and_through_autograd(causal):
+    """cute-sm90's backward (its own sm_90 kernel where that takes the call, these kernels
+    otherwise): directly, and through autograd on `cute_flash.attention`."""
     import cute_flash
     from cute_flash.backends.cute import CuteSm90Backend
 

@@ -2,7 +2,7 @@
 H100/H200 (`pytest -m gpu`).
 
 The cute-sm90 backend's `bwd` is called directly with `native_backward` set on the instance (the
-class keeps it off until these pass), and every case first asserts that the sm_90 kernel takes
+class default, set here all the same), and every case first asserts that the sm_90 kernel takes
 the call, so that a hand-off to the sm_80 kernels cannot pass for it. Its inputs `out` and `lse`
 come from the reference forward, so a forward bug cannot hide or cause a backward failure; the
 oracle's gradients are computed from the same `out` and `lse`.

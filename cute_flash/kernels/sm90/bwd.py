@@ -30,12 +30,19 @@ formed in registers and dK/dV are written once, in the input dtype.
    / 128 registers of dK and dV, the fp32 S^T and dP^T tiles and two 16-bit ones do not fit
    next to more in flight (see `bwd_config.py`).
    Each warpgroup multiplies only its own 64 rows of K, V and dS^T, so the two never wait for
-   each other: each adds its partial dQ (over its own keys) to the fp32 accumulator in global
-   memory with `red.add` (the preprocess kernel cleared it; the postprocess kernel scales and
-   rounds it). The softmax scale is applied once: to dK here and to dQ in the postprocess.
+   each other: each writes its partial dQ (over its own keys, fp32) to its own shared-memory
+   tile, and its first warp adds that tile to the fp32 accumulator in global memory with one
+   TMA reduce-add (`cp.reduce.async.bulk.tensor`; the preprocess kernel cleared the
+   accumulator, the postprocess kernel scales and rounds it). Before the tile is rewritten for
+   the next query block that warp waits for the previous reduce-add to have read it. Scalar
+   `red.add`s from registers, 64 per thread and block, kept the L2 so busy that the kernel ran
+   at under a third of this speed. The softmax scale is applied once: to dK here and to dQ in the postprocess.
    dK and dV start from their first query block's GEMMs, not from a zero fill: the compiler
    would hoist the zeros above the warp-role branch and spill them there.
-3. Epilogue: dK (scaled) and dV rounded to the input dtype (RNE), stored row-predicated.
+3. Epilogue: dK (scaled) and dV rounded to the input dtype (RNE), stored row-predicated. TMA
+   clips the dQ reduce-adds at the tensor's last row; in a varlen batch the rows of a block past
+   its sequence are those of the next one, and they get + 0.0 (P^T, so dS^T and that part of
+   dQ, is 0 there).
 
 Tails: a query block that reaches past seqlen_q, a key block that reaches past seqlen_k and the
 query blocks on a causal diagonal or window edge take the masked path, where P^T is set (not
@@ -62,7 +69,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from ..common.block_info import BlockInfo, effective_window
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import wgmma_smem_layout_tile
-from ..common.utils import acc_mn_view, elem_pointer, exp2f, tanhf
+from ..common.utils import acc_mn_view, exp2f, tanhf
 from .bwd_config import NUM_CONSUMER_WGS, STAT_ALIGN, Sm90BwdConfig
 from .fwd import FlashFwdSm90, tma_view
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
@@ -127,6 +134,8 @@ class FlashBwdSm90:
         sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v)
         sdS_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.tile_m)
         sStat_layout = cute.make_layout((cfg.stat_box, cfg.num_stages), stride=(1, cfg.stat_stage_stride))
+        # one fp32 dQ partial per consumer warpgroup, the source of its TMA reduce-add
+        sdQ_layout = wgmma_smem_layout_tile(Float32, cfg.tile_m, cfg.head_dim, NUM_CONSUMER_WGS)
 
         @cute.struct
         class SharedStorage:
@@ -139,6 +148,7 @@ class FlashBwdSm90:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
@@ -156,6 +166,10 @@ class FlashBwdSm90:
         stat_tile, stat_box = cute.select(sStat_layout, mode=[0]), (cfg.stat_box,)
         tma_LSE, tma_mLSE = cpasync.make_tiled_tma_atom(load, stats_view(mLSE, cfg.varlen_q), stat_tile, stat_box)
         tma_D, tma_mD = cpasync.make_tiled_tma_atom(load, stats_view(mD, cfg.varlen_q), stat_tile, stat_box)
+        tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), tma_view(mdQaccum, cfg.varlen_q),
+            cute.select(sdQ_layout, mode=[0, 1]), (cfg.tile_m, cfg.head_dim),
+        )
 
         K_major, MN_major = OperandMajorMode.K, OperandMajorMode.MN
         wgs = (NUM_CONSUMER_WGS, 1, 1)  # each consumer warpgroup takes 64 of the keys
@@ -177,10 +191,10 @@ class FlashBwdSm90:
         num_n_blocks = (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
         self.kernel(
-            mQ, mK, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
             tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
-            softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
+            tma_dQ, tma_mdQ, softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout,
             tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, SharedStorage,
         ).launch(
             grid=[num_n_blocks, num_heads_k, num_batch],
@@ -198,7 +212,6 @@ class FlashBwdSm90:
         self,
         mQ: cute.Tensor,
         mK: cute.Tensor,
-        mdQaccum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor],
@@ -216,6 +229,8 @@ class FlashBwdSm90:
         tma_mLSE: cute.Tensor,
         tma_D: cute.CopyAtom,
         tma_mD: cute.Tensor,
+        tma_dQ: cute.CopyAtom,
+        tma_mdQ: cute.Tensor,
         softmax_scale: Float32,
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
@@ -227,6 +242,7 @@ class FlashBwdSm90:
         sV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
+        sdQ_layout: cute.ComposedLayout,
         tiled_mma_SdP: cute.TiledMma,
         tiled_mma_dK: cute.TiledMma,
         tiled_mma_dV: cute.TiledMma,
@@ -237,7 +253,7 @@ class FlashBwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_D):
+            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_D, tma_dQ):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -266,6 +282,7 @@ class FlashBwdSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sD = storage.sD.get_tensor(sStat_layout)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         n_block, head_k, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
@@ -293,7 +310,8 @@ class FlashBwdSm90:
             else:
                 cute.arch.setmaxregister_increase(cfg.registers[0])
                 self.consume(
-                    tidx - 128, mdQaccum, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, pipeline_kv, pipeline_q,
+                    tidx - 128, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv,
+                    pipeline_q,
                     tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, seqlen, n_block, head_k, batch,
                     group, m_block_min, m_steps, left, right, softmax_scale, softmax_scale_log2,
                     softcap_prescale,
@@ -365,7 +383,7 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, ctidx, mdQaccum, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, pipeline_kv, pipeline_q,
+        self, ctidx, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv, pipeline_q,
         tiled_mma_SdP: cute.TiledMma, tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma,
         tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, group, m_block_min, m_steps,
         left, right, softmax_scale, softmax_scale_log2, softcap_prescale,
@@ -392,6 +410,15 @@ class FlashBwdSm90:
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma_SdP
         ).get_slice(ctidx)
         tdSsdS = stsm_dS.partition_D(sdS)
+        # this warpgroup's fp32 dQ partial -> its shared-memory tile (pairs of floats), which it
+        # then adds to dQaccum in global memory with a TMA reduce-add
+        sdQ_wg = sdQ[None, None, wg_idx]
+        r2s_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ
+        ).get_slice(ctidx % 128)
+        tdQsdQ = r2s_dQ.partition_D(sdQ_wg)
+        # the warpgroup's first warp issues it (a TMA copy elects its lane among a whole warp)
+        dq_warp = cute.arch.make_warp_uniform(ctidx // 32) % 4 == 0
 
         tile_S = (cfg.tile_n, cfg.tile_m)
         # (key, query) coordinates inside an S^T tile: thread 0's are compile-time constants and
@@ -404,10 +431,6 @@ class FlashBwdSm90:
         rdS = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
         tdVrP = probs_as_operand_a(rP, thr_mma_dV, tile_S)
         tdKrdS = probs_as_operand_a(rdS, thr_mma_dK, tile_S)
-
-        cdQ = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
-        thr_dQ_row = thr_mma_dQ.partition_C(cdQ)[0][0]
-        t0dQcdQ_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_dQ.get_slice(0).partition_C(cdQ)))
 
         # no zero fill: the first query block's GEMMs overwrite them (`gemm_accumulate_if`)
         acc_dK = cute.make_rmem_tensor(thr_mma_dK.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
@@ -490,6 +513,9 @@ class FlashBwdSm90:
                 # dS^T of this warpgroup's keys -> shared memory -> dQ partial
                 cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS)
                 cute.arch.fence_view_async_shared()  # stmatrix wrote through the generic proxy
+                if dq_warp:
+                    # the previous block's reduce-add is done reading sdQ_wg before it is rewritten
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
                 acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
                 gemm(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
@@ -497,15 +523,21 @@ class FlashBwdSm90:
                 pipeline_q.consumer_release(state)
                 state.advance()
 
-                gdQ = cute.local_tile(seqlen.q_rows(mdQaccum, batch, head), (cfg.tile_m, cfg.head_dim), (m_block, 0))
-                tdQgdQ_mn = acc_mn_view(acc_as_mma_sync(thr_mma_dQ.partition_C(gdQ)))
-                acc_dQ_mn = acc_mn_view(acc_as_mma_sync(acc_dQ))
-                rows_q = seqlen.seqlen_q - m_lo - thr_dQ_row  # rows of this thread past its first
-                for r in cutlass.range_constexpr(cute.size(acc_dQ_mn, mode=[0])):
-                    if t0dQcdQ_mn[r, 0][0] < rows_q:
-                        for c in cutlass.range_constexpr(cute.size(acc_dQ_mn, mode=[1])):
-                            cute.arch.red(elem_pointer(tdQgdQ_mn, (r, c)), acc_dQ_mn[r, c], op="add", dtype="f32",
-                                          sem="relaxed", scope="gpu")
+                cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+                cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
+                cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                if dq_warp:
+                    # TMA clips the rows past the tensor; in a varlen batch the rows past this
+                    # sequence belong to the next one and get + 0.0: P, and so dS and dQ, are 0 there
+                    gdQ = cute.local_tile(FlashFwdSm90.rows(tma_mdQ, cfg.varlen_q, seqlen.offset_q, batch, head),
+                                          (cfg.tile_m, cfg.head_dim), (m_block, 0))
+                    tdQsdQ_tma, tdQgdQ = cpasync.tma_partition(
+                        tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
+                    )
+                    cute.copy(tma_dQ, tdQsdQ_tma, tdQgdQ)
+                    cute.arch.cp_async_bulk_commit_group()
+            if dq_warp:
+                cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
 
             # ---- epilogue: dK (scaled) and dV in the input dtype ----
             acc_dK.store(acc_dK.load() * softmax_scale)

@@ -16,9 +16,10 @@ for sm_90a with all feature flags on. Head dims 192 and 256 would need dK and dV
 the warpgroups' columns (or over more CTAs), which this kernel does not do, so they are refused
 by name (`UnsupportedHeadDim`), as is a head dim of V that differs from Q's.
 
-Shared memory: K and V of the CTA, `num_stages` buffers of (Q, dO, LSE, D) and dS^T:
-2 * (tile_n * (d + dv) + stages * tile_m * (d + dv) + tile_n * tile_m) bytes + 8 * stages *
-`stat_stage_stride`, about 147 KB at head dim 128 with 2 stages.
+Shared memory: K and V of the CTA, `num_stages` buffers of (Q, dO, LSE, D), dS^T and the two
+warpgroups' fp32 dQ partials: 2 * (tile_n * (d + dv) + stages * tile_m * (d + dv) + tile_n *
+tile_m) + 8 * stages * `stat_stage_stride` + 2 * 4 * tile_m * d bytes, about 210 KB at head dim
+128 with 2 stages.
 
 The LSE and D rows of a query block come by TMA too. In a fixed-length batch a block starts at a
 multiple of `tile_m` rows, which is 16-byte aligned; in a varlen batch it starts at
@@ -105,7 +106,8 @@ class Sm90BwdConfig:
         q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
         ds = self.tile_n * self.tile_m
         lse_d = 2 * 4 * self.num_stages * self.stat_stage_stride
-        return 2 * (k_v + q_do + ds) + lse_d + 1024  # + mbarriers and alignment
+        dq = 4 * NUM_CONSUMER_WGS * self.tile_m * self.head_dim  # fp32 dQ partials, one per warpgroup
+        return 2 * (k_v + q_do + ds) + lse_d + dq + 1024  # + mbarriers and alignment
 
     @property
     def name(self) -> str:
