@@ -415,9 +415,10 @@ class CuteSm90Backend(_CuteBackend):
     config_module = "cute_flash.kernels.sm90.fwd_config"
     sources = ("common", "sm90")
     # The forward features, checked on an H200 by tests/gpu/test_fwd_sm90.py for the head dims
-    # below. A paged cache or an explicit split-KV runs the sm_80 kernels (`fwd`), and so does the
-    # backward (`bwd`): those kernels are valid sm_90 code, and tests/gpu/test_paged_split_sm80.py
-    # and tests/gpu/test_bwd_sm80.py check them, and this route, on an H200.
+    # below. A paged cache or an explicit split-KV runs the sm_80 kernels (`fwd`), and so does a
+    # backward the sm_90 backward kernel does not take (`bwd`): those kernels are valid sm_90
+    # code, and tests/gpu/test_paged_split_sm80.py and tests/gpu/test_bwd_sm80.py check them, and
+    # this route, on an H200.
     features = _CuteBackend.features | {"paged_kv", "split_kv", "backward"}
     verified_headdims = frozenset({64, 96, 128, 192, 256})
 
