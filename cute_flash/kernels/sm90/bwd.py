@@ -36,7 +36,8 @@ formed in registers and dK/dV are written once, in the input dtype.
    accumulator, the postprocess kernel scales and rounds it). Before the tile is rewritten for
    the next query block that warp waits for the previous reduce-add to have read it. Scalar
    `red.add`s from registers, 64 per thread and block, kept the L2 so busy that the kernel ran
-   at under a third of this speed. The softmax scale is applied once: to dK here and to dQ in the postprocess.
+   at under a third of this speed. The softmax scale is applied once: to dK here and to dQ in
+   the postprocess.
    dK and dV start from their first query block's GEMMs, not from a zero fill: the compiler
    would hoist the zeros above the warp-role branch and spill them there.
 3. Epilogue: dK (scaled) and dV rounded to the input dtype (RNE), stored row-predicated. TMA
