@@ -99,7 +99,7 @@ def fake_arguments(config: CombineConfig) -> tuple:
     """Arguments of `FlashCombine.__call__` (less the stream) for `cute.compile`."""
     import cutlass
 
-    from .common.fake_tensors import element_type, fake_int_vector, fake_tensor, fake_tokens
+    from .common.fake_tensors import element_type, fake_sequence_vectors, fake_tensor, fake_tokens
 
     o_rank = 3 if config.varlen_q else 4
     lse_rank = 2 if config.varlen_q else 3
@@ -108,9 +108,7 @@ def fake_arguments(config: CombineConfig) -> tuple:
         fake_tensor(cutlass.Float32, lse_rank + 1),  # lse_partial
         fake_tokens(element_type(config.dtype), config.varlen_q),  # out
         fake_tensor(cutlass.Float32, lse_rank) if config.has_lse else None,
-        fake_int_vector() if config.varlen_q else None,
-        fake_int_vector() if config.varlen_k else None,
-        fake_int_vector() if config.seqused_k else None,
+        *fake_sequence_vectors(config),
         cutlass.Int32(1),  # seqlen_k
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_q

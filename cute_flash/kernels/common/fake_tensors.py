@@ -37,6 +37,12 @@ def fake_int_vector():
     return fake_tensor(cutlass.Int32, 1)
 
 
+def fake_sequence_vectors(config) -> tuple:
+    """cu_seqlens_q, cu_seqlens_k, seqused_k as a kernel with `config`'s varlen_q / varlen_k /
+    seqused_k flags takes them: int32 vectors, or None where the flag is off."""
+    return tuple(fake_int_vector() if flag else None for flag in (config.varlen_q, config.varlen_k, config.seqused_k))
+
+
 def fake_forward_arguments(config) -> tuple:
     """The arguments every forward kernel's `__call__` starts with, for a config with the
     forward's fields (dtype, varlen_q/k, seqused_k, has_lse): q, k, v, out, lse, cu_seqlens_q/k,
@@ -50,9 +56,7 @@ def fake_forward_arguments(config) -> tuple:
         fake_tokens(dtype, config.varlen_k),  # v
         fake_tokens(dtype, config.varlen_q),  # out
         fake_tensor(cutlass.Float32, 2 if config.varlen_q else 3) if config.has_lse else None,
-        fake_int_vector() if config.varlen_q else None,
-        fake_int_vector() if config.varlen_k else None,
-        fake_int_vector() if config.seqused_k else None,
+        *fake_sequence_vectors(config),
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_q
         cutlass.Float32(1.0),  # softmax_scale_log2

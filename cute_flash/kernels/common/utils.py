@@ -17,20 +17,23 @@ LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
 
-def _unary_asm(ptx: str, x, loc=None, ip=None) -> Float32:
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            ptx,
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
+def _pure_asm(ptx: str, result_type, operands, constraints: str, loc=None, ip=None):
+    """One side-effect-free inline PTX instruction on float32 `operands`."""
+    return llvm.inline_asm(
+        result_type,
+        [Float32(x).ir_value(loc=loc, ip=ip) for x in operands],
+        ptx,
+        constraints,
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
+
+
+def _unary_asm(ptx: str, x, loc=None, ip=None) -> Float32:
+    return Float32(_pure_asm(ptx, T.f32(), [x], "=f,f", loc, ip))
 
 
 @dsl_user_op
@@ -178,19 +181,7 @@ def pack_f32x2(lo, hi, dtype, *, loc=None, ip=None) -> cutlass.Int32:
     """(lo, hi) rounded to nearest even into one 32-bit word of two 16-bit `dtype` values, lo in
     the low half: one `cvt.rn.{bf16x2,f16x2}.f32` (the PTX takes the high operand first)."""
     kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
-    return cutlass.Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-            f"cvt.rn.{kind}.f32 $0, $1, $2;",
-            "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return cutlass.Int32(_pure_asm(f"cvt.rn.{kind}.f32 $0, $1, $2;", T.i32(), [hi, lo], "=r,f,f", loc, ip))
 
 
 @cute.jit

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ..common.fake_tensors import element_type, fake_int_vector, fake_stream, fake_tensor, fake_tokens
+from ..common.fake_tensors import (element_type, fake_int_vector, fake_sequence_vectors, fake_stream, fake_tensor,
+                                   fake_tokens)
 from ..common.tiles import check_attention_config, pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128)
@@ -226,9 +227,7 @@ def fake_arguments(config: Sm80BwdConfig) -> tuple:
         fake_tokens(cutlass.Float32, config.varlen_q, 4),  # dq_accum
         fake_tokens(dtype, config.varlen_k, 8),  # dk
         fake_tokens(dtype, config.varlen_k, 8),  # dv
-        fake_int_vector() if config.varlen_q else None,
-        fake_int_vector() if config.varlen_k else None,
-        fake_int_vector() if config.seqused_k else None,
+        *fake_sequence_vectors(config),
         fake_tensor(cutlass.Int32, 3) if config.deterministic else None,  # dq_semaphore
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_k

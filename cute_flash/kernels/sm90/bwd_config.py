@@ -159,7 +159,7 @@ def fake_arguments(config: Sm90BwdConfig) -> tuple:
     the row statistics so that theirs are)."""
     import cutlass
 
-    from ..common.fake_tensors import element_type, fake_int_vector, fake_tensor, fake_tokens
+    from ..common.fake_tensors import element_type, fake_sequence_vectors, fake_tensor, fake_tokens
 
     dtype = element_type(config.dtype)
     rows = 2 if config.varlen_q else 3  # LSE / D: (batch, heads, seqlen) or (heads, total)
@@ -173,9 +173,7 @@ def fake_arguments(config: Sm90BwdConfig) -> tuple:
         fake_tokens(cutlass.Float32, config.varlen_q, 4),  # dq_accum
         fake_tokens(dtype, config.varlen_k, 8),  # dk
         fake_tokens(dtype, config.varlen_k, 8),  # dv
-        fake_int_vector() if config.varlen_q else None,
-        fake_int_vector() if config.varlen_k else None,
-        fake_int_vector() if config.seqused_k else None,
+        *fake_sequence_vectors(config),
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_k
         cutlass.Float32(1.0),  # softmax_scale
