@@ -16,6 +16,11 @@ import torch
 
 from . import api, ops  # noqa: F401  (ops registers torch.ops.cute_flash.*)
 
+try:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+except ImportError:  # a torch without it: `forward` always takes the op, which is always right
+    _get_current_dispatch_mode = None
+
 __version__ = "0.1.0"
 
 
@@ -86,11 +91,7 @@ def _plain_eager(*tensors) -> bool:
     implementation directly (`ops.run_fwd`), saving the dispatcher's host time per call."""
     if torch.compiler.is_compiling():
         return False
-    if any(t is not None and type(t) is not torch.Tensor for t in tensors):
-        return False
-    try:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-    except ImportError:  # a torch without it: take the op, which is always right
+    if _get_current_dispatch_mode is None or any(t is not None and type(t) is not torch.Tensor for t in tensors):
         return False
     return _get_current_dispatch_mode() is None
 

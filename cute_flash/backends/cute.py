@@ -446,21 +446,26 @@ class CuteSm90Backend(_CuteBackend):
 
     def native_backward_takes(self, q, k, v, args: AttnArgs, deterministic: bool) -> bool:
         """Whether `bwd` runs this call on the sm_90 backward kernel."""
+        return self._native_configs(q, k, v, None, args, deterministic) is not None
+
+    def _native_configs(self, q, k, v, dlse, args: AttnArgs, deterministic: bool) -> Optional[tuple]:
+        """The sm_90 backward's (pre, main, post) configurations for this call, or None where
+        `native_backward` is off or its kernel does not take the call."""
         if not self.native_backward:
-            return False
+            return None
         from .cute_bwd import sm90_configs
 
         try:
-            sm90_configs(q, k, v, None, args, deterministic)
+            return sm90_configs(q, k, v, dlse, args, deterministic)
         except NotImplementedError:
-            return False
-        return True
+            return None
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
-        if self.native_backward_takes(q, k, v, args, deterministic):
+        configs = self._native_configs(q, k, v, dlse, args, deterministic)
+        if configs is not None:
             from .cute_bwd import backward_sm90
 
-            return backward_sm90(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args, deterministic)
+            return backward_sm90(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args, deterministic, configs)
         from . import get_backend
 
         get_backend("cute-sm80").bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, args, deterministic)

@@ -21,6 +21,8 @@ starts a varlen sequence's up to 3 rows early). It has no deterministic mode yet
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .base import AttnArgs
@@ -178,11 +180,14 @@ def _tma_row_stats(lse: torch.Tensor) -> torch.Tensor:
     return torch.empty(*lse.shape[:-1], -(-n // 4) * 4, dtype=torch.float32, device=lse.device)[..., :n]
 
 
-def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
-    """Write dq, dk, dv in place with the sm_90 main kernel (see the module docstring)."""
+def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool,
+                  configs: Optional[tuple] = None) -> None:
+    """Write dq, dk, dv in place with the sm_90 main kernel (see the module docstring).
+    `configs`: this call's `sm90_configs`, when the caller has them already."""
     from ..kernels.common.softmax import softmax_constants
 
-    pre, main, post = sm90_configs(q, k, v, dlse, args, deterministic)  # raises for what the kernel lacks
+    # raises for what the kernel lacks
+    pre, main, post = configs if configs is not None else sm90_configs(q, k, v, dlse, args, deterministic)
     if _without_launch(q, k, dq, dk, dv, args):
         return
     num_batch, max_seqlen_q, max_seqlen_k = _sizes(q, k, args)
