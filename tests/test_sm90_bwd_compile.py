@@ -54,10 +54,21 @@ def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
 
 
 def test_sm90_bwd_config_names_tell_apart_every_flag():
-    base = bc.make_config("bfloat16", 64, 64)
+    base = bc.make_config("bfloat16", 128, 128)  # every flag can flip at head dim 128
     for f in fields(base):
         if isinstance(getattr(base, f.name), bool):
             assert replace(base, **{f.name: not getattr(base, f.name)}).name != base.name, f.name
+
+
+def test_sm90_bwd_dq_split_is_the_hd128_default_and_needs_it():
+    assert bc.make_config("bfloat16", 128, 128).dq_split
+    assert bc.make_config("bfloat16", 120, 120).dq_split  # padded to 128
+    assert not bc.make_config("bfloat16", 64, 64).dq_split
+    with pytest.raises(ValueError, match="dq_split"):
+        bc.make_config("bfloat16", 96, 96, dq_split=True)
+    split, per_wg = bc.make_config("bfloat16", 128, 128), bc.make_config("bfloat16", 128, 128, dq_split=False)
+    # half the fp32 dQ staging, one more dS^T buffer
+    assert per_wg.smem_bytes - split.smem_bytes == 4 * 2 * 64 * 64 - 2 * 128 * 64
 
 
 def test_sm90_bwd_causal_and_local_exclude_each_other():

@@ -69,7 +69,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from ..common.block_info import BlockInfo, effective_window
 from ..common.seqlen_info import SeqlenInfo
-from ..common.smem_layouts import wgmma_smem_layout_tile
+from ..common.smem_layouts import wgmma_smem_layout_atom, wgmma_smem_layout_tile
 from ..common.utils import acc_mn_view, exp2f, tanhf
 from .bwd_config import NUM_CONSUMER_WGS, STAT_ALIGN, Sm90BwdConfig
 from .fwd import FlashFwdSm90, tma_view
@@ -78,6 +78,8 @@ from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
 # Named barrier (0 is __syncthreads) of one consumer warpgroup, + its index: its own dS^T rows
 # (and K/V tail rows) are written before its WGMMAs read them.
 BARRIER_WG = 1
+# Named barrier of both consumer warpgroups (`dq_split`): every row of dS^T is written.
+BARRIER_BOTH = BARRIER_WG + NUM_CONSUMER_WGS
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -133,10 +135,11 @@ class FlashBwdSm90:
         sdO_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.head_dim_v, cfg.num_stages)
         sK_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim)
         sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v)
-        sdS_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.tile_m)
+        sdS_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.tile_m),
+                                        (cfg.tile_n, cfg.tile_m, cfg.ds_stages), (0, 1, 2))
         sStat_layout = cute.make_layout((cfg.stat_box, cfg.num_stages), stride=(1, cfg.stat_stage_stride))
         # one fp32 dQ partial per consumer warpgroup, the source of its TMA reduce-add
-        sdQ_layout = wgmma_smem_layout_tile(Float32, cfg.tile_m, cfg.head_dim, NUM_CONSUMER_WGS)
+        sdQ_layout = wgmma_smem_layout_tile(Float32, cfg.tile_m, cfg.dq_cols, NUM_CONSUMER_WGS)
 
         @cute.struct
         class SharedStorage:
@@ -169,7 +172,7 @@ class FlashBwdSm90:
         tma_D, tma_mD = cpasync.make_tiled_tma_atom(load, stats_view(mD, cfg.varlen_q), stat_tile, stat_box)
         tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), tma_view(mdQaccum, cfg.varlen_q),
-            cute.select(sdQ_layout, mode=[0, 1]), (cfg.tile_m, cfg.head_dim),
+            cute.select(sdQ_layout, mode=[0, 1]), (cfg.tile_m, cfg.dq_cols),
         )
 
         K_major, MN_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -184,9 +187,9 @@ class FlashBwdSm90:
         tiled_mma_dV = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim_v), a_source=rmem
         )
-        # one warpgroup's dQ partial: A = dS (MN-major view of dS^T), B = K^T (MN-major view of K)
+        # one warpgroup's dQ tile: A = dS (MN-major view of dS^T), B = K^T (MN-major view of K)
         tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN_major, MN_major, Float32, (1, 1, 1), (64, cfg.head_dim)
+            self.dtype, self.dtype, MN_major, MN_major, Float32, (1, 1, 1), (64, cfg.dq_cols)
         )
 
         num_n_blocks = (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n
@@ -402,15 +405,20 @@ class FlashBwdSm90:
         tdPrdO = tiled_mma_SdP.make_fragment_B(thr_mma_SdP.partition_B(sdO))
         tdVrdOt = tiled_mma_dV.make_fragment_B(thr_mma_dV.partition_B(transposed(sdO)))
         tdKrQt = tiled_mma_dK.make_fragment_B(thr_mma_dK.partition_B(transposed(sQ)))
-        # this warpgroup's 64 keys: its rows of dS^T and K
-        sdS_wg = cute.local_tile(sdS, (64, cfg.tile_m), (wg_idx, 0))
-        sK_wg = cute.local_tile(sK, (64, cfg.head_dim), (wg_idx, 0))
-        tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS_wg)))
+        if cutlass.const_expr(cfg.dq_split):
+            # every key of dS^T (both warpgroups' rows) and this warpgroup's half of K's columns
+            tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS)))
+            sK_wg = cute.local_tile(sK, (cfg.tile_n, cfg.dq_cols), (0, wg_idx))
+        else:
+            # this warpgroup's 64 keys: its rows of dS^T and K
+            sdS_wg = cute.local_tile(sdS, (64, cfg.tile_m, cfg.ds_stages), (wg_idx, 0, 0))
+            tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS_wg)))
+            sK_wg = cute.local_tile(sK, (64, cfg.head_dim), (wg_idx, 0))
         tdQrKt = tiled_mma_dQ.make_fragment_B(thr_mma_dQ.partition_B(transposed(sK_wg)))
         stsm_dS = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma_SdP
         ).get_slice(ctidx)
-        tdSsdS = stsm_dS.partition_D(sdS)
+        tdSsdS = stsm_dS.partition_D(sdS)  # (..., ds_stages)
         # this warpgroup's fp32 dQ partial -> its shared-memory tile (pairs of floats), which it
         # then adds to dQaccum in global memory with a TMA reduce-add
         sdQ_wg = sdQ[None, None, wg_idx]
@@ -512,14 +520,20 @@ class FlashBwdSm90:
                 gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
 
                 # dS^T of this warpgroup's keys -> shared memory -> dQ partial
-                cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS)
+                ds_stage = it % cfg.ds_stages
+                cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
                 cute.arch.fence_view_async_shared()  # stmatrix wrote through the generic proxy
                 if dq_warp:
                     # the previous block's reduce-add is done reading sdQ_wg before it is rewritten
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
-                acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
-                gemm(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
+                if cutlass.const_expr(cfg.dq_split):
+                    # both warpgroups' dS^T rows are in; each last read the other buffer before it
+                    # arrived here, so the next step may overwrite that one
+                    cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+                else:
+                    cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.tile_m, cfg.dq_cols)), Float32)
+                gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
                 warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
                 pipeline_q.consumer_release(state)
                 state.advance()
@@ -527,11 +541,14 @@ class FlashBwdSm90:
                 cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
                 cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
                 cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                dq_col_block = 0
+                if cutlass.const_expr(cfg.dq_split):
+                    dq_col_block = wg_idx
                 if dq_warp:
                     # TMA clips the rows past the tensor; in a varlen batch the rows past this
                     # sequence belong to the next one and get + 0.0: P, and so dS and dQ, are 0 there
                     gdQ = cute.local_tile(FlashFwdSm90.rows(tma_mdQ, cfg.varlen_q, seqlen.offset_q, batch, head),
-                                          (cfg.tile_m, cfg.head_dim), (m_block, 0))
+                                          (cfg.tile_m, cfg.dq_cols), (m_block, dq_col_block))
                     tdQsdQ_tma, tdQgdQ = cpasync.tma_partition(
                         tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
                     )

@@ -48,13 +48,14 @@ STAT_ALIGN = 4
 class BwdTile(NamedTuple):
     tile_m: int  # query rows per inner step
     num_stages: int  # depth of the (Q, dO, LSE, D) ring
+    dq_split: bool = False  # see `Sm90BwdConfig.dq_split`
 
 
 # keyed by the padded head dim
 TILES = {
     64: BwdTile(64, 2),
     96: BwdTile(64, 2),
-    128: BwdTile(64, 2),
+    128: BwdTile(64, 2, dq_split=True),
 }
 
 
@@ -75,6 +76,11 @@ class Sm90BwdConfig:
     varlen_q: bool = False
     varlen_k: bool = False
     seqused_k: bool = False
+    # dQ of a query block over all the CTA's keys, each warpgroup taking half its columns, instead
+    # of one partial per warpgroup over its own keys: half the reduce-add traffic and half the dQ
+    # registers, for a barrier of both warpgroups and a second dS^T buffer per step. Needs the
+    # column halves of K to be whole swizzle atoms (head dim 128).
+    dq_split: bool = False
 
     tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
@@ -85,6 +91,8 @@ class Sm90BwdConfig:
         if self.tile_m != 64:
             # the M of the dQ GEMM (one m64 WGMMA per warpgroup); more rows would not fit the registers
             raise ValueError(f"tile_m must be 64; got {self.tile_m}")
+        if self.dq_split and self.head_dim != 128:
+            raise ValueError(f"dq_split needs head dim 128; got {self.head_dim}")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
 
@@ -101,17 +109,28 @@ class Sm90BwdConfig:
         return -(-self.stat_box // 32) * 32
 
     @property
+    def dq_cols(self) -> int:
+        """Columns of the dQ tile one warpgroup computes and reduce-adds."""
+        return self.head_dim // NUM_CONSUMER_WGS if self.dq_split else self.head_dim
+
+    @property
+    def ds_stages(self) -> int:
+        """dS^T buffers: two when both warpgroups read the whole tile (`dq_split`)."""
+        return 2 if self.dq_split else 1
+
+    @property
     def smem_bytes(self) -> int:
         k_v = self.tile_n * (self.head_dim + self.head_dim_v)
         q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
-        ds = self.tile_n * self.tile_m
+        ds = self.ds_stages * self.tile_n * self.tile_m
         lse_d = 2 * 4 * self.num_stages * self.stat_stage_stride
-        dq = 4 * NUM_CONSUMER_WGS * self.tile_m * self.head_dim  # fp32 dQ partials, one per warpgroup
+        dq = 4 * NUM_CONSUMER_WGS * self.tile_m * self.dq_cols  # fp32 dQ tiles, one per warpgroup
         return 2 * (k_v + q_do + ds) + lse_d + dq + 1024  # + mbarriers and alignment
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k") if getattr(self, f)]
+        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split")
+                 if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
         return "_".join(["bwd_sm90", self.dtype, hd, tile] + flags)
@@ -126,6 +145,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
             f"the sm_90 backward kernel needs head dim of V == head dim of Q; got {head_dim_v} and {head_dim}"
         )
     tile = TILES[hd]
+    flags.setdefault("dq_split", tile.dq_split)
     return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
                          **flags)
 
@@ -146,6 +166,7 @@ def shipped_configs() -> list:
         replace(base, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         replace(base, local=True, varlen_q=True, varlen_k=True),
         make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True),
+        make_config("bfloat16", 128, 128, causal=True, dq_split=False),  # the per-warpgroup dQ partials
     ]
     return configs
 
