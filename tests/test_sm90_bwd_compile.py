@@ -49,7 +49,7 @@ def test_sm90_bwd_refuses_a_headdim_of_v_that_differs_by_name():
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 12  # each one is compiled and audited
+    assert len(configs) <= 14  # each one is compiled and audited
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -66,6 +66,7 @@ def test_sm90_bwd_dq_split_is_the_hd128_default_and_needs_it():
     assert not bc.make_config("bfloat16", 64, 64).dq_split
     with pytest.raises(ValueError, match="dq_split"):
         bc.make_config("bfloat16", 96, 96, dq_split=True)
+    assert bc.make_config("bfloat16", 64, 64).dq_writer and bc.make_config("bfloat16", 128, 128).dq_writer
     split, per_wg = bc.make_config("bfloat16", 128, 128), bc.make_config("bfloat16", 128, 128, dq_split=False)
     # half the fp32 dQ staging, one more dS^T buffer
     assert per_wg.smem_bytes - split.smem_bytes == 4 * 2 * 64 * 64 - 2 * 128 * 64

@@ -36,8 +36,15 @@ formed in registers and dK/dV are written once, in the input dtype.
    accumulator, the postprocess kernel scales and rounds it). Before the tile is rewritten for
    the next query block that warp waits for the previous reduce-add to have read it. Scalar
    `red.add`s from registers, 64 per thread and block, kept the L2 so busy that the kernel ran
-   at under a third of this speed. The softmax scale is applied once: to dK here and to dQ in
-   the postprocess.
+   at under a third of this speed.
+   Two refinements (`bwd_config.py`): with `dq_split` (head dim 128) both warpgroups' dS^T rows
+   are written before either multiplies (one barrier of both, two dS^T buffers so that the next
+   step's rows never overwrite those the other warpgroup still reads) and each computes half of
+   dQ's columns over all 128 keys: one dQ tile per block instead of two partials. With
+   `dq_writer` the producer warpgroup's second warp issues the reduce-adds: a consumer
+   warpgroup writes its tile, arrives on a named barrier (DQ_FULL) and goes on, and waits
+   (DQ_EMPTY) only if the previous reduce-add has not yet read the tile it is about to rewrite.
+   The softmax scale is applied once: to dK here and to dQ in the postprocess.
    dK and dV start from their first query block's GEMMs, not from a zero fill: the compiler
    would hoist the zeros above the warp-role branch and spill them there.
 3. Epilogue: dK (scaled) and dV rounded to the input dtype (RNE), stored row-predicated. TMA
@@ -80,6 +87,11 @@ from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
 BARRIER_WG = 1
 # Named barrier of both consumer warpgroups (`dq_split`): every row of dS^T is written.
 BARRIER_BOTH = BARRIER_WG + NUM_CONSUMER_WGS
+# Named barriers between a consumer warpgroup (+ its index) and the dQ writer warp (`dq_writer`):
+# its dQ tile is written (consumers arrive, the writer waits) / read by the last reduce-add (the
+# writer arrives, consumers wait).
+BARRIER_DQ_FULL = BARRIER_BOTH + 1
+BARRIER_DQ_EMPTY = BARRIER_DQ_FULL + NUM_CONSUMER_WGS
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -311,6 +323,9 @@ class FlashBwdSm90:
                         tma_D, tma_mD, sQ, sdO, sK, sV, sLSE, sD, pipeline_kv, pipeline_q,
                         seqlen, n_block, head_k, batch, group, m_block_min, m_steps,
                     )
+                if cutlass.const_expr(cfg.dq_writer):
+                    if warp_idx == 1 and m_steps > 0:
+                        self.write_dq(tma_dQ, tma_mdQ, sdQ, seqlen, head_k, batch, group, m_block_min, m_steps)
             else:
                 cute.arch.setmaxregister_increase(cfg.registers[0])
                 self.consume(
@@ -369,6 +384,40 @@ class FlashBwdSm90:
             cute.copy(tma_dO, tdOgdO, tdOsdO[None, state.index], tma_bar_ptr=bar)
             cute.copy(tma_D, tDgD, tDsD[None, state.index], tma_bar_ptr=bar)
             state.advance()
+
+    @cute.jit
+    def write_dq(self, tma_dQ, tma_mdQ, sdQ, seqlen: SeqlenInfo, head_k, batch, group, m_block_min, m_steps):
+        """The dQ writer warp (`dq_writer`): for every query block, in the consumers' order, each
+        warpgroup's dQ tile goes to dQaccum by a TMA reduce-add as soon as it is written."""
+        writer_and_wg = 32 + 128
+        steps = m_steps * group
+        for it in cutlass.range(steps, unroll=1):
+            head = head_k * group + it // m_steps
+            m_block = m_block_min + it % m_steps
+            for w in cutlass.range_constexpr(NUM_CONSUMER_WGS):
+                cute.arch.barrier(barrier_id=BARRIER_DQ_FULL + w, number_of_threads=writer_and_wg)
+                self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w], seqlen, batch, head, m_block, w)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if it + 1 < steps:  # the warpgroup writes its next tile only after this
+                    cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_EMPTY + w, number_of_threads=writer_and_wg)
+        cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
+
+    @cute.jit
+    def reduce_add_dq(self, tma_dQ, tma_mdQ, sdQ_wg, seqlen: SeqlenInfo, batch, head, m_block, wg_idx):
+        """One warpgroup's dQ tile (in `sdQ_wg`) added to dQaccum by TMA; called by a whole warp.
+        TMA clips the rows past the tensor; in a varlen batch the rows past this sequence belong to
+        the next one and get + 0.0 (P, and so dS and dQ, are 0 there)."""
+        cfg = self.cfg
+        col_block = 0
+        if cutlass.const_expr(cfg.dq_split):
+            col_block = wg_idx
+        gdQ = cute.local_tile(FlashFwdSm90.rows(tma_mdQ, cfg.varlen_q, seqlen.offset_q, batch, head),
+                              (cfg.tile_m, cfg.dq_cols), (m_block, col_block))
+        tdQsdQ, tdQgdQ = cpasync.tma_partition(
+            tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
+        )
+        cute.copy(tma_dQ, tdQsdQ, tdQgdQ)
+        cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def stat_block(self, tma_mX: cute.Tensor, offset, batch, head, m_block) -> cute.Tensor:
@@ -523,9 +572,10 @@ class FlashBwdSm90:
                 ds_stage = it % cfg.ds_stages
                 cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
                 cute.arch.fence_view_async_shared()  # stmatrix wrote through the generic proxy
-                if dq_warp:
-                    # the previous block's reduce-add is done reading sdQ_wg before it is rewritten
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(not cfg.dq_writer):
+                    if dq_warp:
+                        # the previous block's reduce-add is done reading sdQ_wg before it is rewritten
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
                 if cutlass.const_expr(cfg.dq_split):
                     # both warpgroups' dS^T rows are in; each last read the other buffer before it
                     # arrived here, so the next step may overwrite that one
@@ -538,24 +588,21 @@ class FlashBwdSm90:
                 pipeline_q.consumer_release(state)
                 state.advance()
 
-                cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
-                cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
-                cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
-                dq_col_block = 0
-                if cutlass.const_expr(cfg.dq_split):
-                    dq_col_block = wg_idx
+                if cutlass.const_expr(cfg.dq_writer):
+                    if it > 0:  # the writer warp's last reduce-add from sdQ_wg has read it
+                        cute.arch.barrier(barrier_id=BARRIER_DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
+                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+                    cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
+                    cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_FULL + wg_idx, number_of_threads=128 + 32)
+                else:
+                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+                    cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
+                    cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                    if dq_warp:
+                        self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg, seqlen, batch, head, m_block, wg_idx)
+            if cutlass.const_expr(not cfg.dq_writer):
                 if dq_warp:
-                    # TMA clips the rows past the tensor; in a varlen batch the rows past this
-                    # sequence belong to the next one and get + 0.0: P, and so dS and dQ, are 0 there
-                    gdQ = cute.local_tile(FlashFwdSm90.rows(tma_mdQ, cfg.varlen_q, seqlen.offset_q, batch, head),
-                                          (cfg.tile_m, cfg.dq_cols), (m_block, dq_col_block))
-                    tdQsdQ_tma, tdQgdQ = cpasync.tma_partition(
-                        tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
-                    )
-                    cute.copy(tma_dQ, tdQsdQ_tma, tdQgdQ)
-                    cute.arch.cp_async_bulk_commit_group()
-            if dq_warp:
-                cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
+                    cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
 
             # ---- epilogue: dK (scaled) and dV in the input dtype ----
             acc_dK.store(acc_dK.load() * softmax_scale)

@@ -49,13 +49,14 @@ class BwdTile(NamedTuple):
     tile_m: int  # query rows per inner step
     num_stages: int  # depth of the (Q, dO, LSE, D) ring
     dq_split: bool = False  # see `Sm90BwdConfig.dq_split`
+    dq_writer: bool = False  # see `Sm90BwdConfig.dq_writer`
 
 
 # keyed by the padded head dim
 TILES = {
-    64: BwdTile(64, 2),
-    96: BwdTile(64, 2),
-    128: BwdTile(64, 2, dq_split=True),
+    64: BwdTile(64, 2, dq_writer=True),
+    96: BwdTile(64, 2, dq_writer=True),
+    128: BwdTile(64, 2, dq_split=True, dq_writer=True),
 }
 
 
@@ -81,6 +82,10 @@ class Sm90BwdConfig:
     # registers, for a barrier of both warpgroups and a second dS^T buffer per step. Needs the
     # column halves of K to be whole swizzle atoms (head dim 128).
     dq_split: bool = False
+    # The reduce-adds of dQ issued by a warp of their own (the producer warpgroup's second):
+    # a consumer warpgroup writes its tile, arrives on a named barrier and goes on; it waits only
+    # when it comes back to write the next tile before the last one has been read.
+    dq_writer: bool = False
 
     tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
@@ -129,8 +134,8 @@ class Sm90BwdConfig:
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split")
-                 if getattr(self, f)]
+        flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
+                             "dq_writer") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
         return "_".join(["bwd_sm90", self.dtype, hd, tile] + flags)
@@ -146,6 +151,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
         )
     tile = TILES[hd]
     flags.setdefault("dq_split", tile.dq_split)
+    flags.setdefault("dq_writer", tile.dq_writer)
     return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
                          **flags)
 
@@ -166,7 +172,9 @@ def shipped_configs() -> list:
         replace(base, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         replace(base, local=True, varlen_q=True, varlen_k=True),
         make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True),
-        make_config("bfloat16", 128, 128, causal=True, dq_split=False),  # the per-warpgroup dQ partials
+        # the dQ paths without the writer warp / the column split, for A/B
+        make_config("bfloat16", 128, 128, causal=True, dq_writer=False),
+        make_config("bfloat16", 128, 128, causal=True, dq_split=False, dq_writer=False),
     ]
     return configs
 
