@@ -14,6 +14,7 @@ Cases: bf16, head dims 64 / 128 / 256, causal and not, batch x seqlen x heads = 
 * `eager`: the same with `lazy_rescale=False` (every block moves the reference and rescales O);
 * at head dim 256 only: `n80` (tile_n 80 instead of 64) and `late` (`rescale_o_before_pv=False`:
   O rescaled after P·V is waited for);
+* where the shipped configuration is persistent: `grid` (`persistent=False`: one CTA per tile);
 * `fa4`: `flash_attn.cute.interface.flash_attn_func`, when importable (timed, not checked).
 
 As in `tune_tiles.py`, a variant is first checked against the float32 reference (out by the
@@ -48,6 +49,8 @@ def variants(head_dim: int, causal: bool) -> list:
 
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
     out = [("lazy", shipped), ("eager", replace(shipped, lazy_rescale=False))]
+    if shipped.persistent:  # the one-tile-per-CTA grid
+        out += [("grid", replace(shipped, persistent=False))]
     if head_dim == 256:
         out += [("n80", replace(shipped, tile_n=80)), ("late", replace(shipped, rescale_o_before_pv=False))]
     return out
@@ -155,8 +158,8 @@ def on_gpu(cases, args) -> None:
             try:
                 fn = backend.cache.get(config, backend.arch())[0]
 
-                def run(q_, k_, v_, out_, lse_, a_, fn=fn):
-                    backend.launch(fn, q_, k_, v_, out_, lse_, a_, ka)
+                def run(q_, k_, v_, out_, lse_, a_, fn=fn, config=config):
+                    backend.launch(fn, q_, k_, v_, out_, lse_, a_, ka, extra=backend.launch_extra(config, q_, k_, a_, ka))
 
                 wrong = check(run, problems, attn_args, dtype)
                 if wrong:

@@ -104,12 +104,13 @@ def on_gpu(args, configs) -> None:
     def attn_args(sq, sk):
         return AttnArgs(softmax_scale=d ** -0.5, causal=args.causal, window_right=0 if args.causal else -1)
 
-    def launcher(fn):
+    def launcher(fn, config):
         ka = backend.cache.args
-        # the sm_80 kernels take page table / split-KV arguments
-        extra = (None, None, None, ka.i32(1)) if backend.inference_kernels else ()
 
         def run(q, k, v, out, lse, a):
+            # the sm_80 kernels take page table / split-KV arguments, the sm_90 ones their grid's
+            extra = ((None, None, None, ka.i32(1)) if backend.inference_kernels
+                     else backend.launch_extra(config, q, k, a, ka))
             backend.launch(fn, q, k, v, out, lse, a, ka, extra=extra)
 
         return run
@@ -133,7 +134,7 @@ def on_gpu(args, configs) -> None:
         try:
             # built for this GPU's arch, as the backend builds it (the sm_80 kernels run on an
             # H200 compiled for sm_90a)
-            run = launcher(backend.cache.get(config, backend.arch())[0])
+            run = launcher(backend.cache.get(config, backend.arch())[0], config)
             out = torch.full_like(small[0], math.nan)
             lse = torch.full((2, 2, 333), math.nan, device="cuda")
             run(*small, out, lse, attn_args(333, 1001))

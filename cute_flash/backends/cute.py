@@ -29,6 +29,7 @@ path, `=1` requires TVM-FFI (`KernelArgs`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import os
@@ -296,6 +297,11 @@ class _CuteBackend(Backend):
         """Arguments of the kernel package's `make_config` that pick a tile from the call's shape."""
         return {}
 
+    def launch_extra(self, config, q, k, args: AttnArgs, a: KernelArgs) -> tuple:
+        """The (converted) arguments a plain forward kernel of this backend takes after the
+        window sizes."""
+        return ()
+
     def fwd(self, q, k, v, out, lse, args: AttnArgs, workspace: Optional[tuple] = None) -> None:
         """`workspace`: optional (o_partial, lse_partial) float32 buffers for split-KV, shaped as
         `split_kv.partial_shapes` says (e.g. kept by a CUDA graph); allocated when None."""
@@ -322,7 +328,8 @@ class _CuteBackend(Backend):
         config, arch = self.config(q, k, v, lse, args), self.arch(q.device)
         if not inference:
             fn, _ = self.cache.get(config, arch)
-            self.launch(fn, q, k, v, out, lse, args, self.cache.args)
+            a = self.cache.args
+            self.launch(fn, q, k, v, out, lse, args, a, extra=self.launch_extra(config, q, k, args, a))
             return
         from . import split_kv
 
@@ -408,6 +415,44 @@ class CuteSm80Backend(_CuteBackend):
         return None
 
 
+# K/V bytes a section of the persistent sm_90 forward's tile order may keep in L2 (of 50 MB on an
+# H100/H200), shared with everything else in flight.
+PERSISTENT_L2_BYTES = 16 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def persistent_schedule(config, q, k, args: AttnArgs, num_sms: Optional[int] = None) -> tuple:
+    """(CTAs, heads per section) of a persistent sm_90 forward call (`FlashFwdSm90.tile_coords`).
+
+    One CTA per SM, never more than the tiles. Causal and local calls take their query blocks
+    longest first across the heads of a section, the largest number of consecutive (batch, head)
+    pairs whose K and V fit in `PERSISTENT_L2_BYTES`; the others take one head at a time (their
+    tiles are all alike, and neighbouring query blocks of a head share its K/V).
+    """
+    varlen_q = args.cu_seqlens_q is not None
+    num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+    nheads = q.shape[-2]
+    tiles = -(-max_seqlen_q // config.tile_m) * nheads * num_batch
+    if num_sms is None:
+        num_sms = _num_sms(q.device)
+    ctas = max(1, min(tiles, num_sms))
+    if not (config.causal or config.local):
+        return ctas, 1
+    seqlen_k = args.max_seqlen_k if args.cu_seqlens_k is not None else k.shape[1]
+    group = nheads // k.shape[-2]
+    kv_bytes_per_head = max(1, seqlen_k * (config.head_dim + config.head_dim_v) * q.element_size() // group)
+    return ctas, max(1, min(nheads * num_batch, PERSISTENT_L2_BYTES // kv_bytes_per_head))
+
+
 class CuteSm90Backend(_CuteBackend):
     """TMA + WGMMA, warp-specialized kernels: NVIDIA Hopper (compute capability 9.0)."""
 
@@ -427,6 +472,13 @@ class CuteSm90Backend(_CuteBackend):
     # heads, head dim 128, CUDA-graph replays) that takes batch 16 with 32k keys from 1.52 to
     # 4.30 TB/s and batch 1 with 8k keys from 0.36 to 1.28 TB/s.
     decode_on_sm80_kernels: bool = True
+
+    def launch_extra(self, config, q, k, args: AttnArgs, a: KernelArgs) -> tuple:
+        """The persistent grid's size and tile order (`persistent_schedule`); ignored by the
+        non-persistent kernels, which take them all the same."""
+        if not getattr(config, "persistent", False):
+            return (a.i32(1), a.i32(1))
+        return tuple(a.i32(x) for x in persistent_schedule(config, q, k, args))
 
     def fwd(self, q, k, v, out, lse, args: AttnArgs, workspace: Optional[tuple] = None) -> None:
         if (args.page_table is not None or args.num_splits > 1

@@ -206,8 +206,10 @@ def test_sm90_fwd_schedule_variants_agree(overlap, pingpong):
     lse = torch.full((2, 4, 777), float("nan"), dtype=torch.float32, device="cuda")
     backend = CuteSm90Backend()
     base = backend.config(q, k, v, lse, args)
-    fn, _ = backend.cache.get(replace(base, intra_wg_overlap=overlap, pingpong=pingpong), backend.arch())
-    backend.launch(fn, q, k, v, out, lse, args, backend.cache.args)
+    config = replace(base, intra_wg_overlap=overlap, pingpong=pingpong)
+    fn, _ = backend.cache.get(config, backend.arch())
+    a = backend.cache.args
+    backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
     torch.cuda.synchronize()
     check_forward(out, lse, q, k, v, args)
 

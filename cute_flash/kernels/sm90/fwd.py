@@ -28,6 +28,15 @@ warpgroups:
 
 Tiles with no visible key do no loads and no GEMMs: O = 0, LSE = -inf. Causal and local tiles
 are launched from the last query block down, so the longest tiles start first.
+
+Persistent configurations (`persistent`, head dims 96 and 128) launch one CTA per SM, and each
+walks the tiles blockIdx.x, + gridDim.x, ... in the order of `tile_coords` (sections of
+(batch, head) pairs whose K/V fit in L2, longest tiles first for causal / local). Producer and
+consumers walk the same sequence; the ring states of Q and K/V carry over from tile to tile, the
+consumers release Q once a tile's last S GEMM is done, so the producer loads the next tile's Q
+and first K blocks while this tile's last P·V and epilogue run. O then has its own shared
+memory instead of Q's. The ping-pong turn carries over too: both warpgroups run the same
+number of blocks per tile.
 """
 
 from __future__ import annotations
@@ -64,6 +73,28 @@ def tma_view(mX: cute.Tensor, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
     return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=order))
 
 
+def tile_coords(tile, num_m_blocks, num_heads, num_batch, heads_per_section, longest_first: bool, minimum=min):
+    """(m_block, head, batch) of tile `tile` of a persistent grid (plain integer arithmetic: the
+    kernel passes its Int32 values and `cutlass.min`, the tests Python ints).
+
+    The (batch, head) pairs are cut into sections of `heads_per_section` consecutive ones (the
+    query heads of one KV head are neighbours); a section's tiles come together, the query blocks
+    of its heads side by side, so that the K/V they read is shared in L2 while it lasts. Inside a
+    section the query blocks go from the first to the last, or, for causal and local attention
+    (`longest_first`), from the last (the most keys) to the first. With one head per section this
+    is the order of the non-persistent grid.
+    """
+    pairs = num_heads * num_batch
+    section_tiles = num_m_blocks * heads_per_section
+    section = tile // section_tiles
+    r = tile - section * section_tiles
+    heads_here = minimum(heads_per_section, pairs - section * heads_per_section)
+    m_idx = r // heads_here
+    pair = section * heads_per_section + r - m_idx * heads_here
+    m_block = num_m_blocks - 1 - m_idx if longest_first else m_idx
+    return m_block, pair % num_heads, pair // num_heads
+
+
 class FlashFwdSm90:
     """The sm_90 forward kernel for one `Sm90FwdConfig` (all compile-time choices live there)."""
 
@@ -92,6 +123,8 @@ class FlashFwdSm90:
         softcap_prescale: Float32,  # scale / softcap (unused without softcap)
         window_left: Int32,  # -1 = unbounded
         window_right: Int32,
+        num_ctas: Int32,  # persistent: the grid (one CTA per SM, at most one per tile)
+        heads_per_section: Int32,  # persistent: the tile order (`tile_coords`)
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -99,8 +132,12 @@ class FlashFwdSm90:
         sK_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
         sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v, cfg.num_stages)
         sO_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.head_dim_v)
-        # O is staged over Q once every consumer is done with Q; the region holds either.
+        # O is staged over Q once every consumer is done with Q; the region holds either. A
+        # persistent CTA loads the next tile's Q during this tile's epilogue: O has its own.
         sQO_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+        if cutlass.const_expr(cfg.persistent):
+            sQO_elems = cute.cosize(sQ_layout)
+        sO_elems = cute.cosize(sO_layout) if cutlass.const_expr(cfg.persistent) else 0
 
         @cute.struct
         class SharedStorage:
@@ -110,6 +147,7 @@ class FlashFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sQO_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_elems], 1024]
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
@@ -141,13 +179,17 @@ class FlashFwdSm90:
 
         num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
         num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
+        grid = [num_m_blocks, num_heads, num_batch]
+        if cutlass.const_expr(cfg.persistent):
+            grid = [num_ctas, 1, 1]
         self.kernel(
             mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
             tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO,
             softmax_scale_log2, softcap_prescale, window_left, window_right,
+            num_m_blocks, num_batch, heads_per_section,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
-            grid=[num_m_blocks, num_heads, num_batch],
+            grid=grid,
             block=[cfg.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -179,6 +221,9 @@ class FlashFwdSm90:
         softcap_prescale: Float32,
         window_left: Int32,
         window_right: Int32,
+        num_m_blocks: Int32,
+        num_batch: Int32,
+        heads_per_section: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -219,47 +264,126 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        if cutlass.const_expr(cfg.persistent):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        block_x, head, batch = cute.arch.block_idx()
-        m_block = block_x
-        if cutlass.const_expr(cfg.causal or cfg.local):
-            # Query blocks near the end see the most keys: launch them first.
-            m_block = cute.arch.grid_dim()[0] - 1 - block_x
-        seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-        window_left_eff, window_right_eff = effective_window(seqlen, window_left, window_right, cfg.local)
-        block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, window_left_eff, window_right_eff)
+        if cutlass.const_expr(cfg.persistent):
+            pipeline.pipeline_init_wait()
+            self.run_persistent(
+                tidx, warp_idx, mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+                tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO,
+                pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
+                softmax_scale_log2, softcap_prescale, window_left, window_right,
+                num_m_blocks, num_batch, heads_per_section,
+            )
+        else:
+            block_x, head, batch = cute.arch.block_idx()
+            m_block = block_x
+            if cutlass.const_expr(cfg.causal or cfg.local):
+                # Query blocks near the end see the most keys: launch them first.
+                m_block = cute.arch.grid_dim()[0] - 1 - block_x
+            seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+            window_left_eff, window_right_eff = effective_window(seqlen, window_left, window_right, cfg.local)
+            block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, window_left_eff, window_right_eff)
 
+            num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
+            num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
+            head_k = head // (num_heads // num_heads_k)
+
+            pipeline.pipeline_init_wait()
+            # A CTA past the end of its (varlen) sequence has nothing to do; all its threads leave.
+            if m_block * cfg.tile_m < seqlen.seqlen_q:
+                if warp_idx < 4:
+                    cute.arch.setmaxregister_decrease(cfg.registers[1])
+                    # The key-block range is computed on each side of the register split: a range
+                    # computed before it stays live into the producer's 24 registers (which spilled).
+                    n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
+                    if warp_idx == 0 and n_block_max > n_block_min:
+                        self.load(
+                            tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
+                            pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_k, batch,
+                            n_block_min, n_block_max,
+                        )
+                else:
+                    cute.arch.setmaxregister_increase(cfg.registers[0])
+                    n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
+                    ctidx = tidx - 128
+                    mask = AttentionMask(
+                        cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff, window_right_eff
+                    )
+                    self.consume(
+                        ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
+                        pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
+                        seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
+                        softmax_scale_log2, softcap_prescale,
+                    )
+
+    # ------------------------------------------------------------------------------------------
+    # persistent CTAs
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def run_persistent(
+        self, tidx, warp_idx, mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+        tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO,
+        pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
+        softmax_scale_log2, softcap_prescale, window_left, window_right,
+        num_m_blocks, num_batch, heads_per_section,
+    ):
+        """Every tile `t` = blockIdx.x, + gridDim.x, ... of this CTA, producer and consumers
+        walking the same sequence with ring states that carry over from tile to tile."""
+        cfg = self.cfg
         num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
-        head_k = head // (num_heads // num_heads_k)
-
-        pipeline.pipeline_init_wait()
-        # A CTA past the end of its (varlen) sequence has nothing to do; all its threads leave.
-        if m_block * cfg.tile_m < seqlen.seqlen_q:
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(cfg.registers[1])
-                # The key-block range is computed on each side of the register split: a range
-                # computed before it stays live into the producer's 24 registers (which spilled).
-                n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
-                if warp_idx == 0 and n_block_max > n_block_min:
-                    self.load(
-                        tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
-                        pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_k, batch,
-                        n_block_min, n_block_max,
+        group = num_heads // num_heads_k
+        num_tiles = num_m_blocks * num_heads * num_batch
+        first_tile, _, _ = cute.arch.block_idx()
+        tile_step = cute.arch.grid_dim()[0]
+        longest_first = cfg.causal or cfg.local
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.registers[1])
+            if warp_idx == 0:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+                for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
+                    m_block, head, batch = tile_coords(
+                        tile, num_m_blocks, num_heads, num_batch, heads_per_section, longest_first, cutlass.min
                     )
-            else:
-                cute.arch.setmaxregister_increase(cfg.registers[0])
-                n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
-                ctidx = tidx - 128
-                mask = AttentionMask(
-                    cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff, window_right_eff
+                    seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+                    left, right = effective_window(seqlen, window_left, window_right, cfg.local)
+                    block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
+                    if m_block * cfg.tile_m < seqlen.seqlen_q:
+                        n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
+                        if n_block_max > n_block_min:
+                            q_state, kv_state = self.load(
+                                tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
+                                pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head // group, batch,
+                                n_block_min, n_block_max, states=(q_state, kv_state),
+                            )
+        else:
+            cute.arch.setmaxregister_increase(cfg.registers[0])
+            ctidx = tidx - 128
+            if cutlass.const_expr(cfg.pingpong):
+                # The first warpgroup holds the first GEMM-issue turn (once: the turns carry over).
+                if ctidx < 128:
+                    cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG, number_of_threads=256)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+            for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
+                m_block, head, batch = tile_coords(
+                    tile, num_m_blocks, num_heads, num_batch, heads_per_section, longest_first, cutlass.min
                 )
-                self.consume(
-                    ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
-                    pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
-                    seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
-                    softmax_scale_log2, softcap_prescale,
-                )
+                seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+                left, right = effective_window(seqlen, window_left, window_right, cfg.local)
+                block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
+                if m_block * cfg.tile_m < seqlen.seqlen_q:
+                    n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
+                    mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, left, right)
+                    q_state, kv_state = self.consume(
+                        ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
+                        pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
+                        seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
+                        softmax_scale_log2, softcap_prescale, states=(q_state, kv_state),
+                    )
 
     # ------------------------------------------------------------------------------------------
     # producer
@@ -268,8 +392,10 @@ class FlashFwdSm90:
     def load(
         self, tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
         pipeline_q, pipeline_k, pipeline_v, seqlen: SeqlenInfo, m_block, head, head_k, batch,
-        n_block_min, n_block_max,
+        n_block_min, n_block_max, states=None,
     ):
+        """The loads of one tile. `states`: the (Q, K/V) ring states of a persistent CTA, returned
+        advanced past this tile; None for the one tile of a non-persistent CTA."""
         cfg = self.cfg
         gQ = cute.local_tile(self.rows(tma_mQ, cfg.varlen_q, seqlen.offset_q, batch, head),
                              (cfg.tile_m, cfg.head_dim), (m_block, 0))
@@ -282,8 +408,11 @@ class FlashFwdSm90:
         tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        if cutlass.const_expr(states is None):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        else:
+            q_state, kv_state = states
         # K first: the first S GEMM needs only Q and K.
         self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block_max - 1, kv_state)
         pipeline_q.producer_acquire(q_state)
@@ -295,6 +424,10 @@ class FlashFwdSm90:
             self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block, kv_state)
             self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block + 1, v_state)
         self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block_min, kv_state)
+        if cutlass.const_expr(states is not None):
+            q_state.advance()  # the next tile's Q waits for the consumers to release this one
+            kv_state.advance()
+            return q_state, kv_state
 
     @staticmethod
     def load_tile(pipe, tma_atom, tXgX, tXsX, n_block, state):
@@ -317,8 +450,10 @@ class FlashFwdSm90:
         self, ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         seqlen: SeqlenInfo, block_info: BlockInfo, mask: AttentionMask, m_block, head, batch,
-        n_block_min, n_block_max, softmax_scale_log2, softcap_prescale,
+        n_block_min, n_block_max, softmax_scale_log2, softcap_prescale, states=None,
     ):
+        """One tile of O. `states`: as in `load` (a persistent CTA's consumer ring states,
+        returned advanced past this tile; its caller holds the ping-pong's first turn)."""
         cfg = self.cfg
         wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
         thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
@@ -349,14 +484,18 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.rescale_o_before_pv):
             correction.fill(1.0)  # the first block leaves no factor; O is still 0 then
 
-        if cutlass.const_expr(cfg.pingpong):
+        if cutlass.const_expr(cfg.pingpong and states is None):
             # The first warpgroup holds the first GEMM-issue turn.
             if wg_idx == 0:
                 cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG, number_of_threads=256)
 
-        if n_block_max > n_block_min:
-            pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        if cutlass.const_expr(states is None):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+        else:
+            q_state, kv = states
+        if n_block_max > n_block_min:
+            pipeline_q.consumer_wait(q_state)
 
             # First block: carries the key-length tail (and the diagonal / window edge).
             n_last = n_block_max - 1
@@ -392,13 +531,19 @@ class FlashFwdSm90:
                     tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
                     mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
                 )
+            if cutlass.const_expr(states is not None):
+                # every S GEMM of the tile is waited for: the next tile's Q may come in
+                pipeline_q.consumer_release(q_state)
+                q_state.advance()
             if cutlass.const_expr(cfg.intra_wg_overlap):
                 if cutlass.const_expr(cfg.rescale_o_before_pv):
                     self.rescale_O(softmax, acc_O, correction)
-                self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
+                kv = self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
 
         self.epilogue(acc_O, softmax, mO, mLSE, tma_O, tma_mO, sO, seqlen, tiled_mma_pv, thr_mma_pv,
                       ctidx, warp_idx, m_block, head, batch)
+        if cutlass.const_expr(states is not None):
+            return q_state, kv
 
     @cute.jit
     def attend_block(

@@ -8,8 +8,10 @@ Tile table (keyed by the padded max(head_dim, head_dim_v)). Each consumer warpgr
 query rows, so tile_m = 64 * consumer warpgroups. Register budget per consumer thread (fp32
 unless noted): acc_O = 64 * dv / 128, acc_S = 64 * tile_n / 128, P = half of acc_S (packed
 16-bit); with the intra-warpgroup overlap S of the next block and P of the current one are live
-together. Shared memory: Q (reused for O) + stages * tile_n * (d + dv) elements, within the
-H100/H200's 227 KB.
+together. Shared memory: Q (reused for O; apart from it in a persistent configuration) + stages
+* tile_n * (d + dv) elements, within the H100/H200's 227 KB. Head dims 96 and 128 are persistent
+(one CTA per SM walking the tiles, `fwd.py`); 64 is not (its 3 warpgroups at 160 registers
+spill with the tile loop, causal + softcap), nor 192 / 256 (Q and O apart do not fit, at 256).
 
 | hd  | tile_m x tile_n | consumer WGs | stages | regs (consumer / producer) | ping-pong |
 | --- | --------------- | ------------ | ------ | -------------------------- | --------- |
@@ -51,12 +53,13 @@ class Tile(NamedTuple):
     num_consumer_wgs: int
     num_stages: int  # depth of the K and V rings in shared memory
     pingpong: bool
+    persistent: bool = False  # one CTA per SM walking the tiles (Q and O apart in shared memory)
 
 
 TILES = {
-    64: Tile(192, 128, 3, 2, True),
-    96: Tile(128, 128, 2, 2, True),
-    128: Tile(128, 128, 2, 2, True),
+    64: Tile(192, 128, 3, 2, True),  # persistent: spills at 160 registers (causal + softcap)
+    96: Tile(128, 128, 2, 2, True, persistent=True),
+    128: Tile(128, 128, 2, 2, True, persistent=True),
     192: Tile(128, 96, 2, 2, False),
     256: Tile(128, 64, 2, 2, False),
 }
@@ -94,6 +97,9 @@ class Sm90FwdConfig:
     # Rescale O while S = Q Kᵀ of the next block runs, before P·V is issued, instead of after
     # P·V is waited for: the FMULs of a wide O then overlap the QK GEMM (make_config: dv > 128)
     rescale_o_before_pv: bool = False
+    # One CTA per SM walks the tiles (`FlashFwdSm90`'s tile order): the next tile's Q and K/V
+    # loads overlap this tile's epilogue, whose O then has its own shared memory (not Q's).
+    persistent: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -121,9 +127,12 @@ class Sm90FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        q_or_o = self.tile_m * max(self.head_dim, self.head_dim_v)
+        if self.persistent:  # Q and O apart
+            q_o = self.tile_m * (self.head_dim + self.head_dim_v)
+        else:  # O over Q
+            q_o = self.tile_m * max(self.head_dim, self.head_dim_v)
         kv = self.tile_n * (self.head_dim + self.head_dim_v) * self.num_stages
-        return 2 * (q_or_o + kv) + 1024  # + mbarriers and alignment
+        return 2 * (q_o + kv) + 1024  # + mbarriers and alignment
 
     @property
     def name(self) -> str:
@@ -138,6 +147,8 @@ class Sm90FwdConfig:
             flags.append("eagerrescale")
         if self.rescale_o_before_pv:
             flags.append("early_rescale")
+        if self.persistent:
+            flags.append("persistent")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}wg{self.num_consumer_wgs}s{self.num_stages}"
         return "_".join(["fwd_sm90", self.dtype, hd, tile] + flags)
@@ -154,6 +165,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     flags.setdefault("pingpong", tile.pingpong and flags.get("intra_wg_overlap", True))
     # only a wide O has enough FMULs to be worth hiding (flash-attn-4 draws the same line)
     flags.setdefault("rescale_o_before_pv", hdv > 128 and flags.get("intra_wg_overlap", True))
+    flags.setdefault("persistent", tile.persistent)
     return Sm90FwdConfig(
         dtype=dtype,
         head_dim=hd,
@@ -192,6 +204,8 @@ def shipped_configs() -> list:
     # the eager rescale (every block moves the exp reference), kept for benchmarks/ab_sm90_fwd.py
     configs += [make_config("bfloat16", d, d, causal=causal, lazy_rescale=False)
                 for d in (64, 128, 256) for causal in (False, True)]
+    # the one-tile-per-CTA grid where the table is persistent, for A/B (selfcheck's variants)
+    configs += [make_config("bfloat16", 128, 128, causal=causal, persistent=False) for causal in (False, True)]
     return configs
 
 
@@ -201,9 +215,12 @@ def shipped_configs() -> list:
 def fake_arguments(config: Sm90FwdConfig) -> tuple:
     """Arguments of `FlashFwdSm90.__call__` (less the stream) for `cute.compile` (TMA needs the
     16-byte strides that `fake_tokens` promises)."""
+    import cutlass
+
     from ..common.fake_tensors import fake_forward_arguments
 
-    return fake_forward_arguments(config)
+    # + the persistent grid's size and tile order (`FlashFwdSm90.__call__`)
+    return fake_forward_arguments(config) + (cutlass.Int32(1), cutlass.Int32(1))
 
 
 def compile_fwd(config: Sm90FwdConfig, options: str = "--gpu-arch sm_90a"):

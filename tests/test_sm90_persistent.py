@@ -1,0 +1,91 @@
+"""The persistent sm_90 forward's tile order and grid (host side; the kernel is checked on a GPU
+by tests/gpu/test_fwd_sm90.py, whose head dims 96 and 128 run it)."""
+
+from itertools import product
+
+import pytest
+import torch
+
+from cute_flash.backends.base import AttnArgs
+from cute_flash.backends.cute import PERSISTENT_L2_BYTES, CuteSm90Backend, persistent_schedule
+from cute_flash.kernels.sm90 import fwd_config as fc
+from cute_flash.kernels.sm90.fwd import tile_coords
+
+
+@pytest.mark.parametrize("m_blocks,heads,batch,per_section", [(1, 1, 1, 1), (5, 3, 2, 1), (5, 3, 2, 4), (7, 4, 3, 5),
+                                                              (3, 8, 1, 8), (4, 2, 2, 100)])
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_tile_coords_visit_every_tile_once_in_section_order(m_blocks, heads, batch, per_section, longest_first):
+    total = m_blocks * heads * batch
+    coords = [tile_coords(t, m_blocks, heads, batch, per_section, longest_first) for t in range(total)]
+    assert sorted(coords) == sorted(product(range(m_blocks), range(heads), range(batch)))
+    pairs = [b * heads + h for _, h, b in coords]
+    # a section's (batch, head) pairs are consecutive and its tiles come together
+    for t, pair in enumerate(pairs):
+        assert pair // per_section == t // (m_blocks * per_section)
+    # inside a section the query blocks go in order, longest (last) first when asked
+    for section in range(-(-heads * batch // per_section)):
+        ms = [m for (m, h, b), p in zip(coords, pairs) if p // per_section == section]
+        assert ms == sorted(ms, reverse=longest_first)
+
+
+def test_tile_coords_with_one_head_per_section_is_the_grid_order():
+    coords = [tile_coords(t, 4, 3, 2, 1, False) for t in range(24)]
+    assert coords == [(m, h, b) for b in range(2) for h in range(3) for m in range(4)]
+    causal = [tile_coords(t, 4, 3, 2, 1, True) for t in range(24)]
+    assert causal == [(3 - m, h, b) for b in range(2) for h in range(3) for m in range(4)]
+
+
+def _q(batch, seqlen, heads, d=128):
+    return torch.empty(batch, seqlen, heads, d, dtype=torch.bfloat16)
+
+
+def test_persistent_schedule_one_cta_per_sm_at_most_one_per_tile():
+    config = fc.make_config("bfloat16", 128, 128)
+    assert config.persistent
+    q = _q(2, 8192, 16)
+    assert persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132) == (132, 1)
+    small = _q(1, 130, 2)  # 2 query blocks x 2 heads
+    assert persistent_schedule(config, small, small, AttnArgs(0.1), num_sms=132) == (4, 1)
+
+
+def test_persistent_schedule_sections_fit_the_l2_budget_for_causal_calls():
+    config = fc.make_config("bfloat16", 128, 128, causal=True)
+    q, k = _q(2, 8192, 16), _q(2, 8192, 4)  # GQA: 4 query heads share one KV head
+    ctas, per_section = persistent_schedule(config, q, k, AttnArgs(0.1, causal=True, window_right=0), num_sms=132)
+    per_head = 8192 * 256 * 2 // 4
+    assert ctas == 132 and per_section == PERSISTENT_L2_BYTES // per_head
+    causal = AttnArgs(0.1, causal=True, window_right=0)
+    short = _q(64, 256, 16)  # 128 KB of K/V per head
+    assert persistent_schedule(config, short, short, causal, num_sms=132)[1] == PERSISTENT_L2_BYTES // (128 << 10)
+    few = _q(4, 256, 16)
+    assert persistent_schedule(config, few, few, causal, num_sms=132)[1] == 4 * 16  # every pair fits
+
+
+def test_persistent_flag_names_smem_and_table():
+    base = fc.make_config("bfloat16", 128, 128, persistent=False)
+    persistent = fc.make_config("bfloat16", 128, 128)
+    assert persistent.name == base.name + "_persistent"
+    assert persistent.smem_bytes - base.smem_bytes == 2 * 128 * 128  # O apart from Q
+    assert not fc.make_config("bfloat16", 64, 64).persistent  # spills at 160 registers
+    assert not fc.make_config("bfloat16", 256, 256).persistent  # Q and O apart do not fit
+    with pytest.raises(ValueError, match="shared memory"):
+        fc.make_config("bfloat16", 256, 256, persistent=True)
+
+
+def test_launch_extra_gives_every_sm90_kernel_its_two_scheduling_arguments(monkeypatch):
+    import cute_flash.backends.cute as cute_backend
+
+    monkeypatch.setattr(cute_backend, "_num_sms", lambda device: 132)
+
+    class Args:
+        @staticmethod
+        def i32(x):
+            return ("i32", x)
+
+    backend = CuteSm90Backend()
+    q = _q(1, 1000, 4)
+    assert backend.launch_extra(fc.make_config("bfloat16", 64, 64), q, q, AttnArgs(0.1), Args()) == (("i32", 1),) * 2
+    config = fc.make_config("bfloat16", 128, 128)
+    extra = backend.launch_extra(config, q, q, AttnArgs(0.1), Args())
+    assert extra == tuple(("i32", x) for x in persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132))
