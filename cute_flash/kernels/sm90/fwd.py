@@ -29,7 +29,7 @@ warpgroups:
 Tiles with no visible key do no loads and no GEMMs: O = 0, LSE = -inf. Causal and local tiles
 are launched from the last query block down, so the longest tiles start first.
 
-Persistent configurations (`persistent`, head dims 96 and 128) launch one CTA per SM, and each
+Persistent configurations (`persistent`, head dims 64 to 128) launch one CTA per SM, and each
 walks the tiles blockIdx.x, + gridDim.x, ... in the order of `tile_coords` (sections of
 (batch, head) pairs whose K/V fit in L2, longest tiles first for causal / local). Producer and
 consumers walk the same sequence; the ring states of Q and K/V carry over from tile to tile, the

@@ -9,9 +9,10 @@ query rows, so tile_m = 64 * consumer warpgroups. Register budget per consumer t
 unless noted): acc_O = 64 * dv / 128, acc_S = 64 * tile_n / 128, P = half of acc_S (packed
 16-bit); with the intra-warpgroup overlap S of the next block and P of the current one are live
 together. Shared memory: Q (reused for O; apart from it in a persistent configuration) + stages
-* tile_n * (d + dv) elements, within the H100/H200's 227 KB. Head dims 96 and 128 are persistent
-(one CTA per SM walking the tiles, `fwd.py`); 64 is not (its 3 warpgroups at 160 registers
-spill with the tile loop, causal + softcap), nor 192 / 256 (Q and O apart do not fit, at 256).
+* tile_n * (d + dv) elements, within the H100/H200's 227 KB. Head dims 64, 96 and 128 are
+persistent (one CTA per SM walking the tiles, `fwd.py`), except causal + softcap at 64 (its 3
+warpgroups at 160 registers spill with the tile loop there); 192 / 256 are not (Q and O apart
+do not fit at 256).
 
 | hd  | tile_m x tile_n | consumer WGs | stages | regs (consumer / producer) | ping-pong |
 | --- | --------------- | ------------ | ------ | -------------------------- | --------- |
@@ -57,7 +58,7 @@ class Tile(NamedTuple):
 
 
 TILES = {
-    64: Tile(192, 128, 3, 2, True),  # persistent: spills at 160 registers (causal + softcap)
+    64: Tile(192, 128, 3, 2, True, persistent=True),
     96: Tile(128, 128, 2, 2, True, persistent=True),
     128: Tile(128, 128, 2, 2, True, persistent=True),
     192: Tile(128, 96, 2, 2, False),
@@ -165,7 +166,10 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     flags.setdefault("pingpong", tile.pingpong and flags.get("intra_wg_overlap", True))
     # only a wide O has enough FMULs to be worth hiding (flash-attn-4 draws the same line)
     flags.setdefault("rescale_o_before_pv", hdv > 128 and flags.get("intra_wg_overlap", True))
-    flags.setdefault("persistent", tile.persistent)
+    # the 3-warpgroup tile's 160 registers spill with the tile loop, the causal mask and softcap
+    # together (and only then)
+    flags.setdefault("persistent", tile.persistent and not (
+        tile.num_consumer_wgs == 3 and flags.get("causal", False) and flags.get("softcap", False)))
     return Sm90FwdConfig(
         dtype=dtype,
         head_dim=hd,
@@ -194,7 +198,7 @@ def shipped_configs() -> list:
         base = make_config("bfloat16", d, d)
         configs += [
             replace(base, local=True),
-            replace(base, softcap=True, causal=True),
+            make_config("bfloat16", d, d, softcap=True, causal=True),  # (its own persistence rule)
             replace(base, varlen_q=True, varlen_k=True, causal=True),
             replace(base, varlen_q=True, varlen_k=True, seqused_k=True),
             replace(base, seqused_k=True),
@@ -205,7 +209,8 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", d, d, causal=causal, lazy_rescale=False)
                 for d in (64, 128, 256) for causal in (False, True)]
     # the one-tile-per-CTA grid where the table is persistent, for A/B (selfcheck's variants)
-    configs += [make_config("bfloat16", 128, 128, causal=causal, persistent=False) for causal in (False, True)]
+    configs += [make_config("bfloat16", d, d, causal=causal, persistent=False)
+                for d in (64, 128) for causal in (False, True)]
     return configs
 
 
