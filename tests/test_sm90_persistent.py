@@ -88,6 +88,13 @@ def test_launch_extra_gives_every_sm90_kernel_its_two_scheduling_arguments(monke
     q = _q(1, 1000, 4)
     grid = fc.make_config("bfloat16", 64, 64, persistent=False)
     assert backend.launch_extra(grid, q, q, AttnArgs(0.1), Args()) == (("i32", 1),) * 2
+    # a causal grid takes its section of the tile order all the same
+    causal_grid = fc.make_config("bfloat16", 64, 64, causal=True, persistent=False)
+    causal = AttnArgs(0.1, causal=True, window_right=0)
+    assert backend.launch_extra(causal_grid, q, q, causal, Args()) == (
+        ("i32", 1), ("i32", cute_backend.heads_per_section(causal_grid, q, q, causal)))
+    monkeypatch.setattr(cute_backend, "SECTIONED_TILE_ORDER", False)
+    assert backend.launch_extra(causal_grid, q, q, causal, Args()) == (("i32", 1),) * 2
     config = fc.make_config("bfloat16", 128, 128)
     extra = backend.launch_extra(config, q, q, AttnArgs(0.1), Args())
     assert extra == tuple(("i32", x) for x in persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132))

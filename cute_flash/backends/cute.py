@@ -415,9 +415,11 @@ class CuteSm80Backend(_CuteBackend):
         return None
 
 
-# K/V bytes a section of the persistent sm_90 forward's tile order may keep in L2 (of 50 MB on an
-# H100/H200), shared with everything else in flight.
+# K/V bytes a section of the sm_90 forward's tile order may keep in L2 (of 50 MB on an
+# H100/H200), shared with everything else in flight; and whether causal / local grids take their
+# tiles longest first across a section (False: one head at a time, for A/B).
 PERSISTENT_L2_BYTES = 16 << 20
+SECTIONED_TILE_ORDER = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -429,28 +431,32 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def persistent_schedule(config, q, k, args: AttnArgs, num_sms: Optional[int] = None) -> tuple:
-    """(CTAs, heads per section) of a persistent sm_90 forward call (`FlashFwdSm90.tile_coords`).
-
-    One CTA per SM, never more than the tiles. Causal and local calls take their query blocks
-    longest first across the heads of a section, the largest number of consecutive (batch, head)
-    pairs whose K and V fit in `PERSISTENT_L2_BYTES`; the others take one head at a time (their
-    tiles are all alike, and neighbouring query blocks of a head share its K/V).
-    """
-    varlen_q = args.cu_seqlens_q is not None
-    num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-    max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+def heads_per_section(config, q, k, args: AttnArgs) -> int:
+    """The (batch, head) pairs of one section of the sm_90 forward's tile order
+    (`FlashFwdSm90.tile_coords`): for causal and local calls, whose tiles go longest first
+    across a section, the most consecutive pairs whose K and V fit in `PERSISTENT_L2_BYTES`
+    (with `SECTIONED_TILE_ORDER`); otherwise 1, one head at a time (tiles all alike, and
+    neighbouring query blocks of a head share its K/V)."""
+    if not (SECTIONED_TILE_ORDER and (config.causal or config.local)):
+        return 1
+    num_batch = args.cu_seqlens_q.shape[0] - 1 if args.cu_seqlens_q is not None else q.shape[0]
     nheads = q.shape[-2]
-    tiles = -(-max_seqlen_q // config.tile_m) * nheads * num_batch
-    if num_sms is None:
-        num_sms = _num_sms(q.device)
-    ctas = max(1, min(tiles, num_sms))
-    if not (config.causal or config.local):
-        return ctas, 1
     seqlen_k = args.max_seqlen_k if args.cu_seqlens_k is not None else k.shape[1]
     group = nheads // k.shape[-2]
     kv_bytes_per_head = max(1, seqlen_k * (config.head_dim + config.head_dim_v) * q.element_size() // group)
-    return ctas, max(1, min(nheads * num_batch, PERSISTENT_L2_BYTES // kv_bytes_per_head))
+    return max(1, min(nheads * num_batch, PERSISTENT_L2_BYTES // kv_bytes_per_head))
+
+
+def persistent_schedule(config, q, k, args: AttnArgs, num_sms: Optional[int] = None) -> tuple:
+    """(CTAs, heads per section) of a persistent sm_90 forward call: one CTA per SM, never more
+    than the tiles, and `heads_per_section`."""
+    varlen_q = args.cu_seqlens_q is not None
+    num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+    tiles = -(-max_seqlen_q // config.tile_m) * q.shape[-2] * num_batch
+    if num_sms is None:
+        num_sms = _num_sms(q.device)
+    return max(1, min(tiles, num_sms)), heads_per_section(config, q, k, args)
 
 
 class CuteSm90Backend(_CuteBackend):
@@ -474,10 +480,10 @@ class CuteSm90Backend(_CuteBackend):
     decode_on_sm80_kernels: bool = True
 
     def launch_extra(self, config, q, k, args: AttnArgs, a: KernelArgs) -> tuple:
-        """The persistent grid's size and tile order (`persistent_schedule`); ignored by the
-        non-persistent kernels, which take them all the same."""
+        """The persistent grid's size (ignored by the one-CTA-per-tile kernels, which take it all
+        the same) and the tile order's section (`persistent_schedule`, `heads_per_section`)."""
         if not getattr(config, "persistent", False):
-            return (a.i32(1), a.i32(1))
+            return (a.i32(1), a.i32(heads_per_section(config, q, k, args)))
         return tuple(a.i32(x) for x in persistent_schedule(config, q, k, args))
 
     def fwd(self, q, k, v, out, lse, args: AttnArgs, workspace: Optional[tuple] = None) -> None:

@@ -27,7 +27,9 @@ warpgroups:
    the lanes that own column 0.
 
 Tiles with no visible key do no loads and no GEMMs: O = 0, LSE = -inf. Causal and local tiles
-are launched from the last query block down, so the longest tiles start first.
+are launched from the last query block down, so the longest tiles start first, across the heads
+of a section of (batch, head) pairs whose K/V fit in L2 (`tile_coords`): the grid's last tiles
+are then the shortest of all, not the last head's longest.
 
 Persistent configurations (`persistent`, head dims 64 to 128) launch one CTA per SM, and each
 walks the tiles blockIdx.x, + gridDim.x, ... in the order of `tile_coords` (sections of
@@ -124,7 +126,7 @@ class FlashFwdSm90:
         window_left: Int32,  # -1 = unbounded
         window_right: Int32,
         num_ctas: Int32,  # persistent: the grid (one CTA per SM, at most one per tile)
-        heads_per_section: Int32,  # persistent: the tile order (`tile_coords`)
+        heads_per_section: Int32,  # the tile order of causal / local grids (`tile_coords`)
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -280,8 +282,14 @@ class FlashFwdSm90:
             block_x, head, batch = cute.arch.block_idx()
             m_block = block_x
             if cutlass.const_expr(cfg.causal or cfg.local):
-                # Query blocks near the end see the most keys: launch them first.
-                m_block = cute.arch.grid_dim()[0] - 1 - block_x
+                # The longest tiles (query blocks near the end see the most keys) launch first,
+                # across the heads of an L2 section (`tile_coords`; one head per section: the
+                # query blocks of each head from the last down).
+                num_heads_q = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
+                linear = block_x + num_m_blocks * (head + num_heads_q * batch)
+                m_block, head, batch = tile_coords(
+                    linear, num_m_blocks, num_heads_q, num_batch, heads_per_section, True, cutlass.min
+                )
             seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
             window_left_eff, window_right_eff = effective_window(seqlen, window_left, window_right, cfg.local)
             block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, window_left_eff, window_right_eff)
