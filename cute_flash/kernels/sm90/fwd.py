@@ -31,9 +31,9 @@ are launched from the last query block down, so the longest tiles start first, a
 of a section of (batch, head) pairs whose K/V fit in L2 (`tile_coords`): the grid's last tiles
 are then the shortest of all, not the last head's longest.
 
-Persistent configurations (`persistent`, head dims 64 to 128) launch one CTA per SM, and each
-walks the tiles blockIdx.x, + gridDim.x, ... in the order of `tile_coords` (sections of
-(batch, head) pairs whose K/V fit in L2, longest tiles first for causal / local). Producer and
+Persistent configurations (`persistent`: head dims 64 to 128 without a causal mask) launch one
+CTA per SM, and each walks the tiles blockIdx.x, + gridDim.x, ... in the order of `tile_coords`
+(sections of (batch, head) pairs whose K/V fit in L2, longest tiles first for local windows). Producer and
 consumers walk the same sequence; the ring states of Q and K/V carry over from tile to tile, the
 consumers release Q once a tile's last S GEMM is done, so the producer loads the next tile's Q
 and first K blocks while this tile's last P·V and epilogue run. O then has its own shared
