@@ -106,9 +106,8 @@ def _merge(out, lse, part_out, part_lse, rows):
 
 
 def _ring_forward(q, k, v, ring: _Ring, layout, causal, scale, softcap, backend):
-    batch, seqlen, nheads, _ = q.shape
-    out = torch.zeros(batch, seqlen, nheads, v.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((batch, nheads, seqlen), -torch.inf, dtype=torch.float32, device=q.device)
+    seqlen = q.shape[1]
+    out = lse = None  # the running float32 result; the first step (own shard, every row) sets it
     kv = (k, v)
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
@@ -118,7 +117,10 @@ def _ring_forward(q, k, v, ring: _Ring, layout, causal, scale, softcap, backend)
                 q[:, rows], kv[0][:, keys], kv[1][:, keys], None, None, None, None, blk_causal, scale,
                 [-1, 0 if blk_causal else -1], softcap, None, None, 0, False, backend, None,
             )
-            _merge(out, lse, part_out, part_lse, rows)
+            if out is None:
+                out, lse = part_out.float(), part_lse.float().contiguous()
+            else:
+                _merge(out, lse, part_out, part_lse, rows)
         ring.wait(requests)
         if incoming is not None:
             kv = tuple(incoming)
