@@ -10,7 +10,8 @@ merged exactly as a split-KV combine does:
 
 The backward replays the ring: each step computes the gradient of the local queries against
 the shard in hand from the *final* output and LSE (so P = exp(S - lse) is exact), and the
-dK/dV accumulators travel with their K/V shard, arriving home after the last step.
+dK/dV accumulators travel with their K/V shard, arriving home after the last step; each hop of
+them overlaps the next step's computation.
 
 Causal attention with contiguous shards leaves the last rank with all the work; with
 `layout="zigzag"` the sequence is cut into 2·world chunks and rank r holds chunks r and
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from . import api
 
 LAYOUTS = ("contiguous", "zigzag")
+_KV_TAG, _GRAD_TAG = 0, 1  # K/V shards and dK/dV accumulators may be in flight together
 
 
 def _resolve_group(group, mesh_dim):
@@ -65,12 +67,13 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
 
-    def start(self, tensors):
-        """Send `tensors` on; return (buffers that will hold the previous rank's, requests)."""
+    def start(self, tensors, tag: int = 0):
+        """Send `tensors` on; return (buffers that will hold the previous rank's, requests).
+        Transfers of different kinds in flight together take different tags."""
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
-        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sent]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
         return received, dist.batch_isend_irecv(ops)
 
     @staticmethod
@@ -130,12 +133,18 @@ def _ring_forward(q, k, v, ring: _Ring, layout, causal, scale, softcap, backend)
 def _ring_backward(dout, dlse, q, k, v, out, lse, ring: _Ring, layout, causal, scale, softcap, backend):
     seqlen = q.shape[1]
     dq = torch.zeros_like(q, dtype=torch.float32)
-    dk_acc = torch.zeros_like(k, dtype=torch.float32)
-    dv_acc = torch.zeros_like(v, dtype=torch.float32)
+    # The dK/dV accumulators of the shard in hand travel with it: this rank's own (zeros) at the
+    # first step, then the ones the previous rank sent on after its step, which arrive while this
+    # step computes its part. After the last step one more hop brings them home (rank r then
+    # holds the gradients of its own shard); alone, they are home already.
+    acc = (torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
+    acc_requests = []
     kv = (k, v)
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
-        incoming, requests = ring.start(kv) if step + 1 < ring.world else (None, [])
+        incoming, requests = ring.start(kv, tag=_KV_TAG) if step + 1 < ring.world else (None, [])
+        part_k = torch.zeros_like(k, dtype=torch.float32)
+        part_v = torch.zeros_like(v, dtype=torch.float32)
         for rows, keys, blk_causal in _blocks(layout, causal, ring.rank, src, seqlen):
             g_q, g_k, g_v = torch.ops.cute_flash.bwd(
                 dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows], lse[:, :, rows],
@@ -143,17 +152,18 @@ def _ring_backward(dout, dlse, q, k, v, out, lse, ring: _Ring, layout, causal, s
                 [-1, 0 if blk_causal else -1], softcap, None, None, False, backend,
             )
             dq[:, rows] += g_q
-            dk_acc[:, keys] += g_k
-            dv_acc[:, keys] += g_v
-        # The accumulators follow their K/V shard; after the last step one more hop brings
-        # them home (rank r then holds the gradients of its own shard). Alone, they are home.
-        grad_requests = []
-        if ring.world > 1:
-            (dk_acc, dv_acc), grad_requests = ring.start((dk_acc, dv_acc))
-        ring.wait(requests + grad_requests)
+            part_k[:, keys] += g_k
+            part_v[:, keys] += g_v
+        ring.wait(acc_requests)
+        acc[0].add_(part_k)
+        acc[1].add_(part_v)
+        if ring.world > 1:  # on to the next rank, in flight during its next step
+            acc, acc_requests = ring.start(acc, tag=_GRAD_TAG)
+        ring.wait(requests)
         if incoming is not None:
             kv = tuple(incoming)
-    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    ring.wait(acc_requests)
+    return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
