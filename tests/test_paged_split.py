@@ -98,6 +98,17 @@ def test_heuristic_splits_a_small_decode_grid():
     )
 
 
+def test_heuristic_gives_every_split_the_same_key_blocks_in_one_wave():
+    # batch 1 decode, 8 KV heads (packed GQA): 8 tiles, 8k keys in 128 blocks of 64; 16 splits
+    # of 8 blocks fill 128 of 132 SMs, where 15 would leave a split of 2 blocks behind ones of 9
+    assert cc.num_splits_heuristic(num_tiles=8, num_sms=132, num_n_blocks=128) == 16
+    assert cc.num_splits_heuristic(num_tiles=8, num_sms=132, num_n_blocks=512) == 16
+    # a second wave pays only where it shortens the longest split
+    assert cc.num_splits_heuristic(num_tiles=32, num_sms=132, num_n_blocks=128) == 4
+    assert cc.num_splits_heuristic(num_tiles=64, num_sms=132, num_n_blocks=128) == 2
+    assert cc.num_splits_heuristic(num_tiles=8, num_sms=132, num_n_blocks=3) == 3
+
+
 def test_heuristic_never_exceeds_key_blocks_sms_or_the_ceiling():
     for tiles in (1, 3, 8, 50):
         for n_blocks in (0, 1, 2, 3, 7, 64, 5000):

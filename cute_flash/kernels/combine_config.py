@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from .common.tiles import pad_headdim
 from .sm80.fwd_config import DTYPES, TILE_HEADDIMS
 
+# A split-KV CTA's fixed time in key blocks, for `num_splits_heuristic`: fitted to the H200
+# decode timings quoted there (at 128 blocks x 8 tiles it puts 16 splits first and 32 before
+# 48 and 64, as measured, though 24 measured better than it models), and it keeps a grid of 64
+# tiles at 2 splits rather than 43 splits in 21 waves of 3 blocks.
+CTA_COST_IN_BLOCKS = 2
 MAX_SPLITS = 64  # the heuristic's ceiling; an explicit num_splits is clamped to the key blocks only
 
 
@@ -57,26 +62,24 @@ def make_config(dtype: str, head_dim_v: int, tile_n: int, **flags) -> CombineCon
 def num_splits_heuristic(num_tiles: int, num_sms: int, num_n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
     """Splits for `num_tiles` = batch x heads x query blocks CTAs over `num_n_blocks` key blocks.
 
-    Split only when the unsplit grid leaves SMs idle (fewer tiles than 80% of the SMs). Among
-    the split counts that change the blocks per split (ceil(n / s) differs from ceil(n / (s-1)),
-    the others only add empty work), pick the smallest whose wave efficiency, waves / ceil(waves)
-    with waves = tiles * s / SMs, is within 85% of the best: more splits than that add partial
-    traffic and combine work for little more occupancy.
+    Split only when the unsplit grid leaves SMs idle (fewer tiles than 80% of the SMs). Then
+    take the split count with the shortest modelled time, waves x (key blocks per split + a
+    CTA's fixed cost), with waves = ceil(tiles * s / SMs) (one CTA per SM), ceil(n / s) blocks
+    per split and the fixed cost (start-up, Q, the partial's write) counted as
+    CTA_COST_IN_BLOCKS; among equal times the fewest splits (less combine work). On an H200
+    (one-token decode, 32 query heads over 8 KV heads, hd128, 128 blocks of 64 keys, CUDA-graph
+    replays) 16 splits of 8 blocks ran 1.48-1.54 TB/s, where the earlier rule's 15 splits of up
+    to 9 blocks ran 1.37-1.46, 24 or 32 splits 1.29-1.39 and 64 splits 1.0-1.1; with 32k keys 16
+    splits ran 2.67-2.72 TB/s against 2.47-2.61 for 15.
     """
     if num_tiles <= 0 or num_n_blocks <= 1 or num_tiles >= 0.8 * num_sms:
         return 1
     limit = min(max_splits, num_sms, num_n_blocks)
 
-    def useful(s: int) -> bool:
-        return s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))
+    def modelled_time(s: int) -> int:
+        return -(-num_tiles * s // num_sms) * (-(-num_n_blocks // s) + CTA_COST_IN_BLOCKS)
 
-    def efficiency(s: int) -> float:
-        waves = num_tiles * s / num_sms
-        return waves / math.ceil(waves)
-
-    candidates = [s for s in range(1, limit + 1) if useful(s)]
-    best = max(efficiency(s) for s in candidates)
-    return next(s for s in candidates if efficiency(s) >= 0.85 * best)
+    return min(range(1, limit + 1), key=lambda s: (modelled_time(s), s))
 
 
 def shipped_configs() -> list:
