@@ -8,7 +8,6 @@ partition of the key blocks it has to reproduce.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from .common.tiles import pad_headdim
