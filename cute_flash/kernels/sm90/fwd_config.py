@@ -168,8 +168,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     # only a wide O has enough FMULs to be worth hiding (flash-attn-4 draws the same line)
     flags.setdefault("rescale_o_before_pv", hdv > 128 and flags.get("intra_wg_overlap", True))
     # causal tiles differ in length, and the hardware's grid scheduler balances them better than
-    # a fixed stride over the tiles: on an H200 (b2 x 8192 x 16 heads, hd128, bf16) the causal
-    # grid ran 602 TFLOP/s and the persistent CTAs 511 (non-causal: 659 vs 676)
+    # a fixed stride over the tiles: on an H200 (benchmarks/ab_sm90_fwd.py, b2 x 8192 x 16 heads,
+    # hd128, bf16) the causal grid ran 604 TFLOP/s and persistent CTAs 544 (non-causal: 659 vs 676)
     flags.setdefault("persistent", tile.persistent and not flags.get("causal", False))
     return Sm90FwdConfig(
         dtype=dtype,
