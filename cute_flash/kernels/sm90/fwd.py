@@ -180,7 +180,7 @@ class FlashFwdSm90:
         )
 
         num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
-        num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
+        num_heads, _ = self.head_counts(mQ, mK)
         grid = [num_m_blocks, num_heads, num_batch]
         if cutlass.const_expr(cfg.persistent):
             grid = [num_ctas, 1, 1]
@@ -285,17 +285,15 @@ class FlashFwdSm90:
                 # The longest tiles (query blocks near the end see the most keys) launch first,
                 # across the heads of an L2 section (`tile_coords`; one head per section: the
                 # query blocks of each head from the last down).
-                num_heads_q = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
+                num_heads_q, _ = self.head_counts(mQ, mK)
                 linear = block_x + num_m_blocks * (head + num_heads_q * batch)
                 m_block, head, batch = tile_coords(
                     linear, num_m_blocks, num_heads_q, num_batch, heads_per_section, True, cutlass.min
                 )
-            seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-            window_left_eff, window_right_eff = effective_window(seqlen, window_left, window_right, cfg.local)
-            block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, window_left_eff, window_right_eff)
-
-            num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
-            num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
+            seqlen, window_left_eff, window_right_eff, block_info = self.sequence(
+                batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right
+            )
+            num_heads, num_heads_k = self.head_counts(mQ, mK)
             head_k = head // (num_heads // num_heads_k)
 
             pipeline.pipeline_init_wait()
@@ -326,6 +324,20 @@ class FlashFwdSm90:
                         softmax_scale_log2, softcap_prescale,
                     )
 
+    def head_counts(self, mQ: cute.Tensor, mK: cute.Tensor) -> tuple:
+        """(query heads, KV heads) of the call (trace time)."""
+        cfg = self.cfg
+        num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
+        num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
+        return num_heads, num_heads_k
+
+    def sequence(self, batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right) -> tuple:
+        """(lengths, effective window left / right, block ranges) of sequence `batch`."""
+        cfg = self.cfg
+        seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        left, right = effective_window(seqlen, window_left, window_right, cfg.local)
+        return seqlen, left, right, BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
+
     # ------------------------------------------------------------------------------------------
     # persistent CTAs
     # ------------------------------------------------------------------------------------------
@@ -340,8 +352,7 @@ class FlashFwdSm90:
         """Every tile `t` = blockIdx.x, + gridDim.x, ... of this CTA, producer and consumers
         walking the same sequence with ring states that carry over from tile to tile."""
         cfg = self.cfg
-        num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
-        num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
+        num_heads, num_heads_k = self.head_counts(mQ, mK)
         group = num_heads // num_heads_k
         num_tiles = num_m_blocks * num_heads * num_batch
         first_tile, _, _ = cute.arch.block_idx()
@@ -356,9 +367,9 @@ class FlashFwdSm90:
                     m_block, head, batch = tile_coords(
                         tile, num_m_blocks, num_heads, num_batch, heads_per_section, longest_first, cutlass.min
                     )
-                    seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-                    left, right = effective_window(seqlen, window_left, window_right, cfg.local)
-                    block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
+                    seqlen, left, right, block_info = self.sequence(
+                        batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right
+                    )
                     if m_block * cfg.tile_m < seqlen.seqlen_q:
                         n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
                         if n_block_max > n_block_min:
@@ -380,9 +391,9 @@ class FlashFwdSm90:
                 m_block, head, batch = tile_coords(
                     tile, num_m_blocks, num_heads, num_batch, heads_per_section, longest_first, cutlass.min
                 )
-                seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-                left, right = effective_window(seqlen, window_left, window_right, cfg.local)
-                block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
+                seqlen, left, right, block_info = self.sequence(
+                    batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right
+                )
                 if m_block * cfg.tile_m < seqlen.seqlen_q:
                     n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
                     mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, left, right)
