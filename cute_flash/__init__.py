@@ -86,10 +86,11 @@ def _check_check(check) -> None:
 
 
 def _plain_eager(*tensors) -> bool:
-    """Whether nothing but this call would see the op: not compiling or exporting, plain tensors
-    (no fake or functional subclass), no Python dispatch mode. Then `forward` runs the op's
-    implementation directly (`ops.run_fwd`), saving the dispatcher's host time per call."""
-    if torch.compiler.is_compiling():
+    """Whether nothing but this call would see the op: not compiling, exporting or tracing, no
+    functorch transform (vmap's batched tensors are plain `torch.Tensor`s without storage), plain
+    tensors (no fake or functional subclass), no Python dispatch mode. Then `forward` runs the
+    op's implementation directly (`ops.run_fwd`), saving the dispatcher's host time per call."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._are_functorch_transforms_active():
         return False
     if _get_current_dispatch_mode is None or any(t is not None and type(t) is not torch.Tensor for t in tensors):
         return False

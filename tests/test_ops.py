@@ -119,6 +119,17 @@ def test_export_module_calling_forward_records_the_op():
     torch.testing.assert_close(exported.module()(q, k, v), cute_flash.forward(q, k, v, causal=True))
 
 
+def test_forward_under_vmap_takes_the_op_not_the_direct_path():
+    # vmap's batched tensors are plain torch.Tensors without storage: the direct path cannot
+    # read them, the op (with the dispatcher's per-sample fallback) can
+    q, k, v = _qkv()
+    stacked = [torch.stack([t, t.flip(0)]) for t in (q, k, v)]
+    got = torch.vmap(lambda q_, k_, v_: cute_flash.forward(q_, k_, v_, causal=True))(*stacked)
+    for i in range(2):
+        want = cute_flash.forward(*(t[i] for t in stacked), causal=True)
+        torch.testing.assert_close(got[i], want, rtol=0, atol=0)
+
+
 def test_forward_without_autograd_runs_the_ops_implementation_directly_with_the_same_result():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
