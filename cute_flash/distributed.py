@@ -29,7 +29,10 @@ import torch.distributed as dist
 from . import api
 
 LAYOUTS = ("contiguous", "zigzag")
-_KV_TAG, _GRAD_TAG = 0, 1  # K/V shards and dK/dV accumulators may be in flight together
+# K/V shards and dK/dV accumulators may be in flight together. Tags keep them apart where the
+# backend matches by tag (gloo); NCCL ignores tags and matches in issue order, which is the same
+# on every rank.
+_KV_TAG, _GRAD_TAG = 0, 1
 
 
 def _resolve_group(group, mesh_dim):
@@ -69,7 +72,7 @@ class _Ring:
 
     def start(self, tensors, tag: int = 0):
         """Send `tensors` on; return (buffers that will hold the previous rank's, requests).
-        Transfers of different kinds in flight together take different tags."""
+        Transfers of different kinds in flight together take different tags (`_KV_TAG`)."""
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sent]
@@ -143,8 +146,7 @@ def _ring_backward(dout, dlse, q, k, v, out, lse, ring: _Ring, layout, causal, s
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming, requests = ring.start(kv, tag=_KV_TAG) if step + 1 < ring.world else (None, [])
-        part_k = torch.zeros_like(k, dtype=torch.float32)
-        part_v = torch.zeros_like(v, dtype=torch.float32)
+        grads = []  # this step's (keys, dK, dV), computed before the accumulators are waited for
         for rows, keys, blk_causal in _blocks(layout, causal, ring.rank, src, seqlen):
             g_q, g_k, g_v = torch.ops.cute_flash.bwd(
                 dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows], lse[:, :, rows],
@@ -152,11 +154,11 @@ def _ring_backward(dout, dlse, q, k, v, out, lse, ring: _Ring, layout, causal, s
                 [-1, 0 if blk_causal else -1], softcap, None, None, False, backend,
             )
             dq[:, rows] += g_q
-            part_k[:, keys] += g_k
-            part_v[:, keys] += g_v
+            grads.append((keys, g_k, g_v))
         ring.wait(acc_requests)
-        acc[0].add_(part_k)
-        acc[1].add_(part_v)
+        for keys, g_k, g_v in grads:
+            acc[0][:, keys] += g_k
+            acc[1][:, keys] += g_v
         if ring.world > 1:  # on to the next rank, in flight during its next step
             acc, acc_requests = ring.start(acc, tag=_GRAD_TAG)
         ring.wait(requests)
