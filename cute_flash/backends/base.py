@@ -6,6 +6,7 @@ outputs, and hands them to a backend. Backends assume validated input and write 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,6 +28,16 @@ FEATURES = (
     "backward",
     "fp32",
 )
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA `device` (looked up once per device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @dataclass

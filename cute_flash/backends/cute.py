@@ -29,7 +29,6 @@ path, `=1` requires TVM-FFI (`KernelArgs`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import importlib
 import os
@@ -44,6 +43,7 @@ import torch
 
 from . import pack_gqa
 from .base import AttnArgs, Backend
+from .base import num_sms as _num_sms
 
 _KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -420,15 +420,6 @@ class CuteSm80Backend(_CuteBackend):
 # tiles longest first across a section (False: one head at a time, for A/B).
 PERSISTENT_L2_BYTES = 16 << 20
 SECTIONED_TILE_ORDER = True
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def heads_per_section(config, q, k, args: AttnArgs) -> int:

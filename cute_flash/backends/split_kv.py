@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..kernels.combine_config import MAX_SPLITS, make_config, num_splits_heuristic
-from .base import AttnArgs
+from .base import AttnArgs, num_sms
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 GRID_Z_LIMIT = 65535  # CUDA's limit on gridDim.z, which the forward kernel spends on (batch, split)
@@ -47,7 +47,7 @@ def num_splits(q: torch.Tensor, k: torch.Tensor, args: AttnArgs, config, heurist
             return 1
         seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
         tiles = batch * q.shape[-2] * -(-seqlen_q // config.tile_m)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sms = num_sms(q.device)
         splits = num_splits_heuristic(tiles, sms, n_blocks, MAX_SPLITS)
     return max(1, min(splits, n_blocks, GRID_Z_LIMIT // max(batch, 1)))
 

@@ -8,6 +8,7 @@ partition of the key blocks it has to reproduce.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .common.tiles import pad_headdim
@@ -58,6 +59,7 @@ def make_config(dtype: str, head_dim_v: int, tile_n: int, **flags) -> CombineCon
     return CombineConfig(dtype=dtype, head_dim_v=hdv, tile_n=tile_n, check_hdim_v=hdv != head_dim_v, **flags)
 
 
+@functools.lru_cache(maxsize=1024)  # per decode call on the host; pure in four integers
 def num_splits_heuristic(num_tiles: int, num_sms: int, num_n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
     """Splits for `num_tiles` = batch x heads x query blocks CTAs over `num_n_blocks` key blocks.
 
