@@ -11,7 +11,8 @@ Conventions (DESIGN.md, "Benchmarks"):
   between query heads), and the same for a paged cache: only the pages holding the
   sequence's keys are read, and the page table's few bytes are not counted.
 
-Nothing here touches a GPU; the CPU tests cover all of it.
+Everything here but the timing helpers at the end (`capture_graph`, `make_timer`, which need a
+GPU) runs on the CPU, and the CPU tests cover it.
 """
 
 from __future__ import annotations

@@ -368,8 +368,9 @@ class _CuteBackend(Backend):
     @staticmethod
     def launch(fn, q, k, v, out, lse, args: AttnArgs, a: KernelArgs, extra: tuple = ()) -> None:
         """Run a compiled forward kernel on the current stream of q's device; `a` converts the
-        arguments for the kernel's launch path, `extra` are the (converted) paged/split-KV
-        arguments of kernels that take them."""
+        arguments for the kernel's launch path, `extra` are the (converted) arguments the
+        kernel takes after the window sizes: paged/split-KV ones (sm_80 inference kernels) or
+        the grid size and tile-order section (sm_90, `launch_extra`)."""
         from ..kernels.common.softmax import softmax_constants
 
         varlen_q = args.cu_seqlens_q is not None
