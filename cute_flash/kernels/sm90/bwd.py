@@ -29,15 +29,16 @@ formed in registers and dK/dV are written once, in the input dtype.
    waited for before dS^T is formed, and dK runs while dS^T goes to shared memory. 64 * (d + dv)
    / 128 registers of dK and dV, the fp32 S^T and dP^T tiles and two 16-bit ones do not fit
    next to more in flight (see `bwd_config.py`).
-   Each warpgroup multiplies only its own 64 rows of K, V and dS^T, so the two never wait for
-   each other: each writes its partial dQ (over its own keys, fp32) to its own shared-memory
-   tile, and its first warp adds that tile to the fp32 accumulator in global memory with one
-   TMA reduce-add (`cp.reduce.async.bulk.tensor`; the preprocess kernel cleared the
+   In the basic dQ path each warpgroup multiplies only its own 64 rows of K, V and dS^T, so the
+   two never wait for each other: each writes its partial dQ (over its own keys, fp32) to its
+   own shared-memory tile, and its first warp adds that tile to the fp32 accumulator in global
+   memory with one TMA reduce-add (`cp.reduce.async.bulk.tensor`; the preprocess kernel cleared the
    accumulator, the postprocess kernel scales and rounds it). Before the tile is rewritten for
    the next query block that warp waits for the previous reduce-add to have read it. Scalar
    `red.add`s from registers, 64 per thread and block, kept the L2 so busy that the kernel ran
    at under a third of this speed.
-   Two refinements (`bwd_config.py`): with `dq_split` (head dim 128) both warpgroups' dS^T rows
+   Two refinements (`bwd_config.py`; the shipped tiles use both at head dim 128 and the
+   writer alone at 64 and 96): with `dq_split` (head dim 128) both warpgroups' dS^T rows
    are written before either multiplies (one barrier of both, two dS^T buffers so that the next
    step's rows never overwrite those the other warpgroup still reads) and each computes half of
    dQ's columns over all 128 keys: one dQ tile per block instead of two partials. With

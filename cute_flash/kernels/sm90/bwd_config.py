@@ -10,16 +10,16 @@ Each of the two consumer warpgroups owns 64 of the CTA's `tile_n` = 128 keys and
 and dV in fp32 registers for the whole kernel: 64 * (d + dv) / 128 registers per thread, 128 at
 head dim 128. On top of that, per query block of `tile_m` rows: the S^T and dP^T tiles
 (64 * tile_m / 128 each), P^T and dS^T in 16 bits (half that each) and the warpgroup's dQ
-partial (tile_m * d / 128). With 240 registers per consumer thread (`setmaxnreg`) that leaves
+tile (tile_m * `dq_cols` / 128: all d columns, or half of them with `dq_split`). With 240 registers per consumer thread (`setmaxnreg`) that leaves
 room for 64-row query blocks at every head dim up to 128; every entry compiles with zero spills
 for sm_90a with all feature flags on. Head dims 192 and 256 would need dK and dV split over
 the warpgroups' columns (or over more CTAs), which this kernel does not do, so they are refused
 by name (`UnsupportedHeadDim`), as is a head dim of V that differs from Q's.
 
-Shared memory: K and V of the CTA, `num_stages` buffers of (Q, dO, LSE, D), dS^T and the two
-warpgroups' fp32 dQ partials: 2 * (tile_n * (d + dv) + stages * tile_m * (d + dv) + tile_n *
-tile_m) + 8 * stages * `stat_stage_stride` + 2 * 4 * tile_m * d bytes, about 210 KB at head dim
-128 with 2 stages.
+Shared memory (`smem_bytes`): K and V of the CTA, `num_stages` buffers of (Q, dO, LSE, D),
+`ds_stages` dS^T buffers and the two warpgroups' fp32 dQ tiles: 2 * (tile_n * (d + dv) + stages
+* tile_m * (d + dv) + ds_stages * tile_n * tile_m) + 8 * stages * `stat_stage_stride` + 2 * 4 *
+tile_m * dq_cols bytes, 194 KB at head dim 128 with 2 stages and `dq_split` (210 KB without).
 
 The LSE and D rows of a query block come by TMA too. In a fixed-length batch a block starts at a
 multiple of `tile_m` rows, which is 16-byte aligned; in a varlen batch it starts at

@@ -1,7 +1,7 @@
 """FlashAttention forward for sm_90a: TMA + WGMMA, one producer warp and 2-3 consumer warpgroups.
 
-One CTA computes one (query block, head, batch) tile of O with `1 + num_consumer_wgs`
-warpgroups:
+A CTA computes (query block, head, batch) tiles of O, one per CTA or, in a persistent
+configuration, several in turn (see below), with `1 + num_consumer_wgs` warpgroups:
 
 1. Producer (warpgroup 0, which gives most of its registers away with `setmaxnreg`): its first
    warp issues TMA loads -- the Q tile once, then K and V tiles into `num_stages`-deep rings
@@ -17,11 +17,11 @@ warpgroups:
    space, scale folded in, exp2) turns S into P, which is rounded to 16 bits in registers and
    used directly as the register A operand of O += P·V (V as the MN-major B operand).
    Intra-warpgroup overlap: the S GEMM of block n-1 and the P·V GEMM of block n are issued
-   together; the softmax of block n-1 runs while P·V is still in flight, and O is rescaled only
-   after that GEMM is waited for. Ping-pong: named barriers let one warpgroup issue its GEMMs
+   together; the softmax of block n-1 runs while P·V is still in flight, and O is rescaled after
+   that GEMM is waited for (before the next P·V is issued, with `rescale_o_before_pv`). Ping-pong: named barriers let one warpgroup issue its GEMMs
    while the other one is in its softmax, so the tensor cores and the MUFU unit stay busy.
 3. Epilogue: O / rowsum rounded to the input dtype (round-to-nearest-even) goes to shared
-   memory (over the Q tile) by `stmatrix`, then out by one TMA store (clipped at the sequence
+   memory (over the Q tile; a buffer of its own when persistent) by `stmatrix`, then out by one TMA store (clipped at the sequence
    and head-dim ends); varlen batches store with predicated 128-bit copies instead, because a
    TMA box would run into the next sequence's rows. LSE (natural log, float32) is written by
    the lanes that own column 0.
@@ -712,7 +712,8 @@ class FlashFwdSm90:
                     if row < rows_left:
                         gLSE[row] = lse[r]
 
-        # Every consumer warpgroup is done reading sQ before O overwrites it.
+        # Every consumer warpgroup is done reading sQ before O overwrites it (O has a buffer of its
+        # own in a persistent configuration; the barrier stays).
         cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
         stsm = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma_pv

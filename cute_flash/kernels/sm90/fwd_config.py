@@ -31,7 +31,8 @@ is issued (`rescale_o_before_pv`, as flash-attn-4's sm90 kernel does). At hd 256
 (226 KB of shared memory) measured below 64 on an H200: 716.5 vs 741.7 TFLOP/s without causal,
 654.1 vs 677.6 causal (benchmarks/ab_sm90_fwd.py, 2 x 8192 x 16 heads, bf16).
 
-`lazy_rescale` (on in every shipped configuration): a row keeps its old maximum as the exp
+`lazy_rescale` (on in every configuration `make_config` builds; the eager variants are shipped
+for A/B only): a row keeps its old maximum as the exp
 reference while the new one exceeds it by at most `LAZY_RESCALE_LOG2` (P <= 2^8), and a warp
 skips the rescale of its O rows when none of them changed reference (see `common/softmax.py`).
 Measured on an H200 (2 x 8192, bf16, causal): +3.8 % at hd 128 (577 -> 600 TFLOP/s), +2.5 % at
@@ -200,7 +201,7 @@ def shipped_configs() -> list:
         configs += [
             replace(base, local=True),
             make_config("bfloat16", d, d, softcap=True, causal=True),
-            replace(base, varlen_q=True, varlen_k=True, causal=True),
+            make_config("bfloat16", d, d, varlen_q=True, varlen_k=True, causal=True),
             replace(base, varlen_q=True, varlen_k=True, seqused_k=True),
             replace(base, seqused_k=True),
             replace(base, has_lse=False),
