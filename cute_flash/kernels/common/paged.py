@@ -12,10 +12,10 @@ The lookup (`lookup`) and the copy (`load_tile`) are separate steps so that the 
   the same way whenever K and V rows have the same swizzle atom width), and
 * issue the table loads before the wait that precedes the K copy, so that their latency
   overlaps other work instead of stalling the warp right in front of its row's copies.
-With `pow2` (page_size a power of two, which the host checks) t // page_size and
+With `pow2` (page_size a power of two; `make_config` derives it from the page size) t // page_size and
 t % page_size are a shift and a mask; otherwise they are an unsigned division.
 
-When page_size is a multiple of tile_n (which the host checks) no tile crosses a page: key
+When page_size is a multiple of tile_n (`make_config` derives that too) no tile crosses a page: key
 block n is rows [r, r + tile_n) of one page, so one table entry per block (`lookup_page`, the
 same for K and V and for every thread) and a plain tile copy (`load_page_tile`, the contiguous
 cache's copy, tail rows zero-filled by count) do.

@@ -136,10 +136,10 @@ class FlashFwdSm90:
         sO_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.head_dim_v)
         # O is staged over Q once every consumer is done with Q; the region holds either. A
         # persistent CTA loads the next tile's Q during this tile's epilogue: O has its own.
-        sQO_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
         if cutlass.const_expr(cfg.persistent):
-            sQO_elems = cute.cosize(sQ_layout)
-        sO_elems = cute.cosize(sO_layout) if cutlass.const_expr(cfg.persistent) else 0
+            sQO_elems, sO_elems = cute.cosize(sQ_layout), cute.cosize(sO_layout)
+        else:
+            sQO_elems, sO_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout)), 0
 
         @cute.struct
         class SharedStorage:
@@ -265,9 +265,10 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         if cutlass.const_expr(cfg.persistent):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         if cutlass.const_expr(cfg.persistent):
             pipeline.pipeline_init_wait()
