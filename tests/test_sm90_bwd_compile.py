@@ -60,10 +60,11 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
             assert replace(base, **{f.name: not getattr(base, f.name)}).name != base.name, f.name
 
 
-def test_sm90_bwd_dq_split_is_the_hd128_default_and_needs_it():
+def test_sm90_bwd_dq_split_is_the_hd64_and_hd128_default_and_needs_one_of_them():
     assert bc.make_config("bfloat16", 128, 128).dq_split
     assert bc.make_config("bfloat16", 120, 120).dq_split  # padded to 128
-    assert not bc.make_config("bfloat16", 64, 64).dq_split
+    assert bc.make_config("bfloat16", 64, 64).dq_split
+    assert not bc.make_config("bfloat16", 96, 96).dq_split
     with pytest.raises(ValueError, match="dq_split"):
         bc.make_config("bfloat16", 96, 96, dq_split=True)
     assert bc.make_config("bfloat16", 64, 64).dq_writer and bc.make_config("bfloat16", 128, 128).dq_writer

@@ -37,8 +37,8 @@ formed in registers and dK/dV are written once, in the input dtype.
    the next query block that warp waits for the previous reduce-add to have read it. Scalar
    `red.add`s from registers, 64 per thread and block, kept the L2 so busy that the kernel ran
    at under a third of this speed.
-   Two refinements (`bwd_config.py`; the shipped tiles use both at head dim 128 and the
-   writer alone at 64 and 96): with `dq_split` (head dim 128) both warpgroups' dS^T rows
+   Two refinements (`bwd_config.py`; the shipped tiles use both at head dims 64 and 128 and
+   the writer alone at 96): with `dq_split` (head dims 64, 128) both warpgroups' dS^T rows
    are written before either multiplies (one barrier of both, two dS^T buffers so that the next
    step's rows never overwrite those the other warpgroup still reads) and each computes half of
    dQ's columns over all 128 keys: one dQ tile per block instead of two partials. With

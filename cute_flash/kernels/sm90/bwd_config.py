@@ -54,7 +54,7 @@ class BwdTile(NamedTuple):
 
 # keyed by the padded head dim
 TILES = {
-    64: BwdTile(64, 2, dq_writer=True),
+    64: BwdTile(64, 2, dq_split=True, dq_writer=True),
     96: BwdTile(64, 2, dq_writer=True),
     128: BwdTile(64, 2, dq_split=True, dq_writer=True),
 }
@@ -79,8 +79,10 @@ class Sm90BwdConfig:
     seqused_k: bool = False
     # dQ of a query block over all the CTA's keys, each warpgroup taking half its columns, instead
     # of one partial per warpgroup over its own keys: half the reduce-add traffic and half the dQ
-    # registers, for a barrier of both warpgroups and a second dS^T buffer per step. Needs the
-    # column halves of K to be whole swizzle atoms (head dim 128).
+    # registers, for a barrier of both warpgroups and a second dS^T buffer per step. Head dims
+    # 128 (a warpgroup's half of K is one 64-column swizzle atom) and 64 (half of one atom: the
+    # dQ GEMM's K operand starts 64 bytes into the 128-byte swizzled rows); at 96 a half would be
+    # one and a half of its 32-column atoms.
     dq_split: bool = False
     # The reduce-adds of dQ issued by a warp of their own (the producer warpgroup's second):
     # a consumer warpgroup writes its tile, arrives on a named barrier and goes on; it waits only
@@ -96,8 +98,8 @@ class Sm90BwdConfig:
         if self.tile_m != 64:
             # the M of the dQ GEMM (one m64 WGMMA per warpgroup); more rows would not fit the registers
             raise ValueError(f"tile_m must be 64; got {self.tile_m}")
-        if self.dq_split and self.head_dim != 128:
-            raise ValueError(f"dq_split needs head dim 128; got {self.head_dim}")
+        if self.dq_split and self.head_dim not in (64, 128):
+            raise ValueError(f"dq_split needs head dim 64 or 128; got {self.head_dim}")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
 
@@ -175,6 +177,7 @@ def shipped_configs() -> list:
         # the dQ paths without the writer warp / the column split, for A/B
         make_config("bfloat16", 128, 128, causal=True, dq_writer=False),
         make_config("bfloat16", 128, 128, causal=True, dq_split=False, dq_writer=False),
+        make_config("bfloat16", 64, 64, causal=True, dq_split=False),
     ]
     return configs
 
