@@ -109,6 +109,18 @@ def test_heuristic_gives_every_split_the_same_key_blocks_in_one_wave():
     assert cc.num_splits_heuristic(num_tiles=8, num_sms=132, num_n_blocks=3) == 3
 
 
+def test_heuristic_splits_a_paged_grid_of_one_cta_per_sm_in_two():
+    # batch 16 decode, 8 KV heads (packed GQA): 128 tiles on 132 SMs, 8k keys in blocks of 64
+    assert cc.num_splits_heuristic(num_tiles=128, num_sms=132, num_n_blocks=128) == 1
+    assert cc.num_splits_heuristic(num_tiles=128, num_sms=132, num_n_blocks=128, paged=True) == 2
+    # more tiles than SMs, a single key block, or a ceiling of 1: no floor
+    assert cc.num_splits_heuristic(num_tiles=264, num_sms=132, num_n_blocks=128, paged=True) == 1
+    assert cc.num_splits_heuristic(num_tiles=128, num_sms=132, num_n_blocks=1, paged=True) == 1
+    assert cc.num_splits_heuristic(num_tiles=128, num_sms=132, num_n_blocks=128, max_splits=1, paged=True) == 1
+    # a small grid keeps the modelled choice
+    assert cc.num_splits_heuristic(num_tiles=8, num_sms=132, num_n_blocks=128, paged=True) == 16
+
+
 def test_heuristic_never_exceeds_key_blocks_sms_or_the_ceiling():
     for tiles in (1, 3, 8, 50):
         for n_blocks in (0, 1, 2, 3, 7, 64, 5000):

@@ -48,7 +48,7 @@ def num_splits(q: torch.Tensor, k: torch.Tensor, args: AttnArgs, config, heurist
         seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
         tiles = batch * q.shape[-2] * -(-seqlen_q // config.tile_m)
         sms = num_sms(q.device)
-        splits = num_splits_heuristic(tiles, sms, n_blocks, MAX_SPLITS)
+        splits = num_splits_heuristic(tiles, sms, n_blocks, MAX_SPLITS, paged=args.page_table is not None)
     return max(1, min(splits, n_blocks, GRID_Z_LIMIT // max(batch, 1)))
 
 

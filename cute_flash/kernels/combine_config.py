@@ -60,7 +60,8 @@ def make_config(dtype: str, head_dim_v: int, tile_n: int, **flags) -> CombineCon
 
 
 @functools.lru_cache(maxsize=1024)  # per decode call on the host; pure in four integers
-def num_splits_heuristic(num_tiles: int, num_sms: int, num_n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+def num_splits_heuristic(num_tiles: int, num_sms: int, num_n_blocks: int, max_splits: int = MAX_SPLITS,
+                         paged: bool = False) -> int:
     """Splits for `num_tiles` = batch x heads x query blocks CTAs over `num_n_blocks` key blocks.
 
     Split only when the unsplit grid leaves SMs idle (fewer tiles than 80% of the SMs). Then
@@ -72,15 +73,24 @@ def num_splits_heuristic(num_tiles: int, num_sms: int, num_n_blocks: int, max_sp
     replays) 16 splits of 8 blocks ran 1.48-1.54 TB/s, where the earlier rule's 15 splits of up
     to 9 blocks ran 1.37-1.46, 24 or 32 splits 1.29-1.39 and 64 splits 1.0-1.1; with 32k keys 16
     splits ran 2.67-2.72 TB/s against 2.47-2.61 for 15.
+
+    A `paged` cache whose grid holds at most one CTA per SM runs at least 2 splits: a second CTA
+    per SM covers the page-table lookups each K tile waits for. On the H200 (batch 16, pages of
+    64, CUDA-graph replays) 2 splits took 8k keys from 3.58 to 3.83 TB/s and 32k keys from 3.74
+    to 4.21; the contiguous cache at 8k went the other way (3.90 to 3.76), so it is not split.
     """
+    if paged and 0 < num_tiles <= num_sms and num_n_blocks >= 2 and max_splits >= 2:
+        floor = 2
+    else:
+        floor = 1
     if num_tiles <= 0 or num_n_blocks <= 1 or num_tiles >= 0.8 * num_sms:
-        return 1
+        return floor
     limit = min(max_splits, num_sms, num_n_blocks)
 
     def modelled_time(s: int) -> int:
         return -(-num_tiles * s // num_sms) * (-(-num_n_blocks // s) + CTA_COST_IN_BLOCKS)
 
-    return min(range(1, limit + 1), key=lambda s: (modelled_time(s), s))
+    return max(floor, min(range(1, limit + 1), key=lambda s: (modelled_time(s), s)))
 
 
 def shipped_configs() -> list:
