@@ -29,6 +29,7 @@ path, `=1` requires TVM-FFI (`KernelArgs`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import os
@@ -115,21 +116,41 @@ class KernelArgs:
     @contextlib.contextmanager
     def context(self, device: torch.device):
         """Around a launch: `device` current, and for TVM-FFI its environment stream set to the
-        current torch stream (graph capture and side streams included)."""
-        with torch.cuda.device(device):
+        current torch stream (graph capture and side streams included). The device is switched
+        only when it is not already the current one (the common case costs no switch)."""
+        current = torch.cuda.current_device()
+        switch = device.index is not None and device.index != current
+        with torch.cuda.device(device) if switch else contextlib.nullcontext():
             if not self.tvm_ffi:
                 yield
                 return
-            import tvm_ffi
-
-            index = torch.cuda.current_device()
-            with tvm_ffi.use_raw_stream(tvm_ffi.device(f"cuda:{index}"), torch.cuda.current_stream().cuda_stream):
+            index = device.index if switch else current
+            with _tvm_ffi_use_stream(_tvm_ffi_device(index), torch.cuda.current_stream().cuda_stream):
                 yield
+
+
+@functools.lru_cache(maxsize=None)
+def _tvm_ffi_device(index: int):
+    import tvm_ffi
+
+    return tvm_ffi.device(f"cuda:{index}")
+
+
+def _tvm_ffi_use_stream(device, stream: int):
+    import tvm_ffi
+
+    return tvm_ffi.use_raw_stream(device, stream)
 
 
 def device_arch(device: Optional[torch.device] = None) -> str:
     """The DSL's name for the arch of `device` (sm_80, sm_86, sm_90a, sm_100a, ...)."""
-    major, minor = torch.cuda.get_device_capability(device)
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return _arch_of(index)
+
+
+@functools.lru_cache(maxsize=None)  # read once per device, not per call
+def _arch_of(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     # Arch-specific features ("a" targets) exist from sm_90 on; an sm_80 kernel compiled for the
     # local "a" target is still plain cp.async + mma.sync code.
     return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
@@ -260,6 +281,7 @@ class _CuteBackend(Backend):
 
     def __init__(self):
         self.cache = KernelCache(self.config_module, self.sources)
+        self._reasons: dict = {}  # device index -> `unavailable_reason`
 
     def _gpu_reason(self) -> Optional[str]:
         """Why this GPU cannot run the kernels, or None."""
@@ -269,8 +291,15 @@ class _CuteBackend(Backend):
         return device_arch(device)
 
     def unavailable_reason(self) -> Optional[str]:
+        """Found once per current device (every call is validated against it)."""
         if not torch.cuda.is_available() or torch.version.hip is not None:
             return "needs an NVIDIA GPU"
+        index = torch.cuda.current_device()
+        if index not in self._reasons:
+            self._reasons[index] = self._find_unavailable_reason()
+        return self._reasons[index]
+
+    def _find_unavailable_reason(self) -> Optional[str]:
         reason = self._gpu_reason()
         if reason is not None:
             return reason
