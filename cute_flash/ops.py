@@ -39,6 +39,15 @@ def run_fwd(call: api.Call, q, k, v, out: Optional[torch.Tensor] = None) -> tupl
     return out, lse
 
 
+def run_bwd(call: api.Call, dout, q, k, v, out, lse, dlse, deterministic: bool) -> tuple:
+    """What `bwd` runs after validation: the backward backend of the call (`api.backward_backend`,
+    which refuses a paged cache); returns (dq, dk, dv)."""
+    backend = api.backward_backend(call, q, k, v, deterministic)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    backend.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, call.args, deterministic)
+    return dq, dk, dv
+
+
 def _lse_shape(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]):
     if cu_seqlens_q is not None:
         return (q.shape[-2], q.shape[0])
@@ -134,9 +143,7 @@ def bwd(
     """Attention backward; returns (dq, dk, dv). A gradient of the LSE (dlse) is honoured."""
     call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, causal, softmax_scale, window_size,
                      softcap, max_seqlen_q, max_seqlen_k, 1, backend, False)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    api.backward_backend(call, q, k, v, deterministic).bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, call.args, deterministic)
-    return dq, dk, dv
+    return run_bwd(call, dout, q, k, v, out, lse, dlse, deterministic)
 
 
 @bwd.register_fake
