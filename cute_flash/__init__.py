@@ -60,7 +60,7 @@ def forward(
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     if out is not None and needs_grad:
         raise ValueError("out= is for inference; use cute_flash.attention for gradients (or torch.no_grad())")
-    if not needs_grad and _plain_eager(q, k, v, out):
+    if _plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, out):
         # one api.validate: every check the op path makes (eagerly, then in the op)
         call = api.validate(
             q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
@@ -68,7 +68,7 @@ def forward(
             max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, page_table=page_table, num_splits=num_splits, out=out,
             backend=backend, check=check,
         )
-        o, lse = ops.run_fwd(call, q, k, v, out)
+        o, lse = ops.Attention.apply(q, k, v, call, False) if needs_grad else ops.run_fwd(call, q, k, v, out)
         return (o, lse) if return_lse else o
     common = _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, seqused_k, page_table, num_splits, backend, check, out)
@@ -88,8 +88,10 @@ def _check_check(check) -> None:
 def _plain_eager(*tensors) -> bool:
     """Whether nothing but this call would see the op: not compiling, exporting or tracing, no
     functorch transform (vmap's batched tensors are plain `torch.Tensor`s without storage), plain
-    tensors (no fake or functional subclass), no Python dispatch mode. Then `forward` runs the
-    op's implementation directly (`ops.run_fwd`), saving the dispatcher's host time per call."""
+    tensors (no fake or functional subclass), no Python dispatch mode. Then `forward` and
+    `attention` run the op's implementation directly (`ops.run_fwd`, or `ops.Attention` when
+    gradients are needed), saving the dispatcher's host time per call (and, with gradients, the
+    backward's second validation)."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._are_functorch_transforms_active():
         return False
     if _get_current_dispatch_mode is None or any(t is not None and type(t) is not torch.Tensor for t in tensors):
@@ -123,6 +125,16 @@ def attention(
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__} {return_lse!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__} {deterministic!r}")
+    _check_check(check)
+    if _plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k):
+        call = api.validate(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, backend=backend, check=check,
+        )
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        o, lse = ops.Attention.apply(q, k, v, call, deterministic) if needs_grad else ops.run_fwd(call, q, k, v)
+        return (o, lse) if return_lse else o
     common = _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, seqused_k, None, 0, backend, check, None)
     o, lse = torch.ops.cute_flash.fwd(q, k, v, *common[:11], deterministic, backend, check)
@@ -132,8 +144,8 @@ def attention(
 def _common_args(q, k, v, causal, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                  max_seqlen_k, seqused_k, page_table, num_splits, backend, check, out):
     """Check eagerly what the ops' schema would otherwise reject with a less useful message
-    (argument types, scalars); the op itself runs the full `api.validate` exactly once."""
-    _check_check(check)
+    (argument types, scalars; the callers have checked `check`); the op itself runs the full
+    `api.validate` exactly once."""
     if not torch.compiler.is_compiling():
         api.check_scalars(causal, softmax_scale, window_size, softcap, max_seqlen_q, max_seqlen_k, num_splits, backend)
         tensors = dict(k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,

@@ -4,10 +4,14 @@ The ops are what `torch.compile` and `torch.export` see: opaque calls with fake 
 implementations. Their real implementations validate the arguments (`api.validate`) and run the
 chosen backend, so a call through `torch.ops.cute_flash.*` is checked exactly like one through
 `cute_flash.forward`. `fwd` carries its autograd formula, which calls `bwd`.
+
+`Attention` is the same forward and backward as an autograd.Function, for eager calls that
+nothing but the caller would see (`cute_flash._plain_eager`): no dispatcher, one validation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -40,8 +44,8 @@ def run_fwd(call: api.Call, q, k, v, out: Optional[torch.Tensor] = None) -> tupl
 
 
 def run_bwd(call: api.Call, dout, q, k, v, out, lse, dlse, deterministic: bool) -> tuple:
-    """What `bwd` runs after validation: the backward backend of the call (`api.backward_backend`,
-    which refuses a paged cache); returns (dq, dk, dv)."""
+    """What `bwd` runs after validation, and `Attention`'s backward: the backward backend of the
+    call (`api.backward_backend`, which refuses a paged cache); returns (dq, dk, dv)."""
     backend = api.backward_backend(call, q, k, v, deterministic)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     backend.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, call.args, deterministic)
@@ -179,3 +183,39 @@ def _backward(ctx, dout, dlse):
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class Attention(torch.autograd.Function):
+    """`fwd` with its autograd formula, without the dispatcher: `cute_flash.attention` and
+    `cute_flash.forward` apply it when gradients are needed and nothing but this call would see the
+    op (`cute_flash._plain_eager`); tracers, fake tensors and dispatch modes get the op instead.
+
+    `call` is the caller's `api.validate` of the forward's arguments, kept for the backward, which
+    therefore does not validate again. Like the op's, the backward gets zeros for an unused output's
+    gradient (the default materialization), and it is not itself differentiable: under
+    `create_graph=True` its gradients carry a grad_fn that raises when differentiated, where the
+    op's have `bwd`'s, which has no autograd formula.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: api.Call, deterministic: bool):
+        out, lse = run_fwd(call, q, k, v)
+        a = call.args
+        ctx.save_for_backward(q, k, v, out, lse, a.cu_seqlens_q, a.cu_seqlens_k, a.seqused_k)
+        ctx.call, ctx.deterministic = call, deterministic
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors[:5]  # unpacking all of them checks none was modified in place
+        call = ctx.call
+        if call.args.num_splits != 1:  # what `bwd` validates: the backward has no split-KV
+            call = dataclasses.replace(call, args=dataclasses.replace(call.args, num_splits=1))
+        with torch.no_grad():
+            grads = run_bwd(call, dout, q, k, v, out, lse, dlse, ctx.deterministic)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dout, dlse, q, k, v)):
+            # create_graph=True: what `once_differentiable` does, but for the saved inputs too
+            # (the gradients depend on q, k, v, not only on dout and dlse)
+            fail = torch._C._functions.DelayedError(b"cute_flash attention has no double backward", len(grads))
+            grads = fail(*(g.detach().requires_grad_() for g in grads))
+        return tuple(grads) + (None, None)
