@@ -151,3 +151,53 @@ def test_at_least_forty_bad_input_cases():
 def test_attention_rejects_paged_and_split_arguments():
     with pytest.raises(TypeError):
         cute_flash.attention(PQ, PK, PV, page_table=PT)  # inference-only argument
+
+
+GQ, GVQ, GPQ = (t.clone().requires_grad_() for t in (Q, VQ, PQ))
+
+# Bad input to the differentiable calls (q requires grad).
+GRAD_CASES = {
+    "k_dtype_differs": lambda: cute_flash.attention(GQ, K.double(), V),
+    "q_rank_2": lambda: cute_flash.attention(GQ[0, 0], K, V),
+    "k_rank_3_without_varlen": lambda: cute_flash.attention(GQ, K[0], V[0]),
+    "batch_differs": lambda: cute_flash.attention(GQ, K[:1], V[:1]),
+    "headdim_not_multiple_of_8": lambda: cute_flash.attention(*(t.requires_grad_() for t in qkv(d=12))),
+    "v_last_dim_strided": lambda: cute_flash.attention(GQ, K, torch.randn(2, 7, 2, 32)[..., ::2]),
+    "causal_not_bool": lambda: cute_flash.attention(GQ, K, V, causal=1),
+    "softmax_scale_nan": lambda: cute_flash.attention(GQ, K, V, softmax_scale=math.nan),
+    "softcap_bool": lambda: cute_flash.attention(GQ, K, V, softcap=True),
+    "window_float": lambda: cute_flash.attention(GQ, K, V, window_size=(1.5, 0)),
+    "causal_with_right_window": lambda: cute_flash.attention(GQ, K, V, causal=True, window_size=(4, 3)),
+    "unknown_backend": lambda: cute_flash.attention(GQ, K, V, backend="cudnn"),
+    "cute_backend_on_cpu": lambda: cute_flash.attention(GQ, K, V, backend="cute-sm80"),
+    "return_lse_not_bool": lambda: cute_flash.attention(GQ, K, V, return_lse=1),
+    "deterministic_not_bool": lambda: cute_flash.attention(GQ, K, V, deterministic=None),
+    "check_not_bool": lambda: cute_flash.attention(GQ, K, V, check="on"),
+    "cu_seqlens_q_int64": lambda: cute_flash.attention(GVQ, VK, VV, cu_seqlens_q=CU_Q.long(), cu_seqlens_k=CU_K),
+    "cu_seqlens_q_without_k": lambda: cute_flash.attention(GVQ, K, V, cu_seqlens_q=CU_Q),
+    "max_seqlen_k_too_small": lambda: cute_flash.attention(GVQ, VK, VV, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, max_seqlen_k=3),
+    "seqused_k_beyond_cache": lambda: cute_flash.attention(GQ, K, V, seqused_k=torch.tensor([1, 8], dtype=torch.int32)),
+    "k_on_other_device": lambda: cute_flash.attention(GQ, K.to("meta"), V),
+    "forward_num_splits_float": lambda: cute_flash.forward(GQ, K, V, num_splits=2.0),
+    "forward_page_table_out_of_range": lambda: cute_flash.forward(GPQ, PK, PV, page_table=torch.tensor([[0, 1, 2], [3, 4, 6]], dtype=torch.int32)),
+}
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - any exception is compared
+        return type(e), str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + [f"grad:{c}" for c in sorted(GRAD_CASES)])
+def test_the_direct_path_and_the_op_raise_the_same(monkeypatch, case):
+    """`forward`/`attention` run `api.validate` themselves where nothing else would see the op
+    (`cute_flash._plain_eager`), or go through the op: the same error either way."""
+    call = GRAD_CASES[case[5:]] if case.startswith("grad:") else CASES[case][2]
+    direct = _raised(call)
+    monkeypatch.setattr(cute_flash, "_plain_eager", lambda *tensors: False)
+    via_op = _raised(call)
+    assert direct is not None and direct[0] in (TypeError, ValueError)
+    assert direct == via_op
