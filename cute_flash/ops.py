@@ -191,14 +191,17 @@ class Attention(torch.autograd.Function):
     op (`cute_flash._plain_eager`); tracers, fake tensors and dispatch modes get the op instead.
 
     `call` is the caller's `api.validate` of the forward's arguments, kept for the backward, which
-    therefore does not validate again. Like the op's, the backward gets zeros for an unused output's
-    gradient (the default materialization), and it is not itself differentiable: under
+    therefore does not validate again. Unlike the op's, its backward gets None for an unused LSE's
+    gradient (dout is zero-filled when only the LSE is used), and it is not itself differentiable: under
     `create_graph=True` its gradients carry a grad_fn that raises when differentiated, where the
     op's have `bwd`'s, which has no autograd formula.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, call: api.Call, deterministic: bool):
+        # An unused LSE's gradient stays None: the backward then skips the zero fill and the
+        # backends their dlse pass (bitwise the same gradients as with zeros)
+        ctx.set_materialize_grads(False)
         out, lse = run_fwd(call, q, k, v)
         a = call.args
         ctx.save_for_backward(q, k, v, out, lse, a.cu_seqlens_q, a.cu_seqlens_k, a.seqused_k)
@@ -211,6 +214,8 @@ class Attention(torch.autograd.Function):
         call = ctx.call
         if call.args.num_splits != 1:  # what `bwd` validates: the backward has no split-KV
             call = dataclasses.replace(call, args=dataclasses.replace(call.args, num_splits=1))
+        if dout is None:  # only the LSE was used
+            dout = torch.zeros_like(out)
         with torch.no_grad():
             grads = run_bwd(call, dout, q, k, v, out, lse, dlse, ctx.deterministic)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dout, dlse, q, k, v)):
