@@ -25,10 +25,10 @@ formed in registers and dK/dV are written once, in the input dtype.
        dQ_w = dS[:, keys of w] K[keys of w, :]   (dS^T of the warpgroup staged in shared memory)
 
    S^T and dP^T are issued together and P^T is computed while dP^T is in flight (with
-   soft-capping dP^T waits for P^T: tanh's values leave no room for it at head dim 128); dV is
-   waited for before dS^T is formed, and dK runs while dS^T goes to shared memory. 64 * (d + dv)
-   / 128 registers of dK and dV, the fp32 S^T and dP^T tiles and two 16-bit ones do not fit
-   next to more in flight (see `bwd_config.py`).
+   soft-capping dP^T waits for P^T: tanh's values leave no room for it at head dim 128); dV
+   runs while dS^T is formed (`overlap_dv`; with soft-capping it is waited for first), and dK
+   while dS^T goes to shared memory. 64 * (d + dv) / 128 registers of dK and dV, the fp32 S^T
+   and dP^T tiles and two 16-bit ones do not fit next to more in flight (see `bwd_config.py`).
    In the basic dQ path each warpgroup multiplies only its own 64 rows of K, V and dS^T, so the
    two never wait for each other: each writes its partial dQ (over its own keys, fp32) to its
    own shared-memory tile, and its first warp adds that tile to the fp32 accumulator in global
@@ -555,9 +555,9 @@ class FlashBwdSm90:
                 else:
                     rP.store(acc_S.load().to(self.dtype))
                 gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
-                # dP^T is in, and dV is done with rP: waiting for it here keeps P^T and dS^T from
-                # being live together (the registers would not hold both next to dK and dV)
-                warpgroup.wait_group(0)
+                # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
+                # from being live together
+                warpgroup.wait_group(1 if cutlass.const_expr(cfg.overlap_dv and not cfg.softcap) else 0)
 
                 # dS^T = P^T (dP^T - D), with soft-capping P^T (1 - tanh^2) (dP^T - D)
                 acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
