@@ -49,7 +49,7 @@ def test_sm90_bwd_refuses_a_headdim_of_v_that_differs_by_name():
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 15  # each one is compiled and audited
+    assert len(configs) <= 16  # each one is compiled and audited
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 

@@ -27,7 +27,8 @@ formed in registers and dK/dV are written once, in the input dtype.
    S^T and dP^T are issued together and P^T is computed while dP^T is in flight (with
    soft-capping dP^T waits for P^T: tanh's values leave no room for it at head dim 128); dV
    runs while dS^T is formed (`overlap_dv`; with soft-capping it is waited for first), and dK
-   while dS^T goes to shared memory. 64 * (d + dv) / 128 registers of dK and dV, the fp32 S^T
+   while dS^T goes to shared memory, or, at head dim 64 (`dk_after_dq`), after the dQ GEMM and
+   on into the next query block, its Q stage released there. 64 * (d + dv) / 128 registers of dK and dV, the fp32 S^T
    and dP^T tiles and two 16-bit ones do not fit next to more in flight (see `bwd_config.py`).
    In the basic dQ path each warpgroup multiplies only its own 64 rows of K, V and dS^T, so the
    two never wait for each other: each writes its partial dQ (over its own keys, fp32) to its
@@ -513,6 +514,8 @@ class FlashBwdSm90:
             if cutlass.const_expr(cfg.varlen_q):
                 stat_query = thr_query + seqlen.offset_q % STAT_ALIGN
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+            # with `dk_after_dq` a stage is released one block late, once its dK GEMM is done
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             for it in cutlass.range(m_steps * group, unroll=1):
                 head = head_k * group + it // m_steps
                 m_block = m_block_min + it % m_steps
@@ -527,6 +530,10 @@ class FlashBwdSm90:
                 if cutlass.const_expr(not cfg.softcap):
                     gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
                 warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
+                if cutlass.const_expr(cfg.dk_after_dq):
+                    if it > 0:  # the previous block's dK GEMM, the last reader of its stage, is done
+                        pipeline_q.consumer_release(release_state)
+                        release_state.advance()
 
                 # the masked path: tails on either side, the causal diagonal, the window edges
                 masked = (n_lo + cfg.tile_n > seqlen.seqlen_k) | (m_lo + cfg.tile_m > seqlen.seqlen_q)
@@ -567,7 +574,8 @@ class FlashBwdSm90:
                     for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                         acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
                 rdS.store(acc_dP.load().to(self.dtype))
-                gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
+                if cutlass.const_expr(not cfg.dk_after_dq):
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
 
                 # dS^T of this warpgroup's keys -> shared memory -> dQ partial
                 ds_stage = it % cfg.ds_stages
@@ -585,8 +593,12 @@ class FlashBwdSm90:
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
                 acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.tile_m, cfg.dq_cols)), Float32)
                 gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
-                warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
-                pipeline_q.consumer_release(state)
+                if cutlass.const_expr(cfg.dk_after_dq):
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
+                    warpgroup.wait_group(1)  # dQ (and dV) in; the end of every read of sdS
+                else:
+                    warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
+                    pipeline_q.consumer_release(state)
                 state.advance()
 
                 if cutlass.const_expr(cfg.dq_writer):
@@ -601,6 +613,9 @@ class FlashBwdSm90:
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
                     if dq_warp:
                         self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg, seqlen, batch, head, m_block, wg_idx)
+            if cutlass.const_expr(cfg.dk_after_dq):
+                warpgroup.wait_group(0)  # the last block's dK
+                pipeline_q.consumer_release(release_state)
             if cutlass.const_expr(not cfg.dq_writer):
                 if dq_warp:
                     cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves

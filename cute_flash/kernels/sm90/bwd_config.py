@@ -51,11 +51,12 @@ class BwdTile(NamedTuple):
     dq_split: bool = False  # see `Sm90BwdConfig.dq_split`
     dq_writer: bool = False  # see `Sm90BwdConfig.dq_writer`
     overlap_dv: bool = False  # see `Sm90BwdConfig.overlap_dv`
+    dk_after_dq: bool = False  # see `Sm90BwdConfig.dk_after_dq`
 
 
 # keyed by the padded head dim
 TILES = {
-    64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True),
+    64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True),
     96: BwdTile(64, 2, dq_writer=True, overlap_dv=True),
     128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True),
 }
@@ -95,6 +96,15 @@ class Sm90BwdConfig:
     # heads), causal 0.841 -> 0.833, and 1.809 -> 1.776 ms at 64 (32 heads), causal 1.042 -> 1.025
     # (two runs of each). Not with soft-capping, whose dP^T is issued after P^T.
     overlap_dv: bool = False
+    # dK += dS^T Q issued after the dQ GEMM and left in flight into the next query block (its
+    # Q stage released there, after the wait for S^T), so that it overlaps dQ's way to shared
+    # memory and the next block's first GEMMs; without it dK is issued before dS^T is staged
+    # and waited for with dQ. On an H200 (b2 x 4096 x 32 heads, hd64, bf16, the backend's bwd
+    # under do_bench, two runs each): 1.775 -> 1.718 ms, causal 1.028 -> 0.999 ms. At head dim
+    # 128 ptxas serializes the WGMMAs for lack of registers (the compile test refuses that), so
+    # only 64 ships it; 96 compiles without serialization and passes the GPU tests with it, but
+    # has not been timed.
+    dk_after_dq: bool = False
 
     tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
@@ -144,7 +154,7 @@ class Sm90BwdConfig:
     @property
     def name(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
-                             "dq_writer", "overlap_dv") if getattr(self, f)]
+                             "dq_writer", "overlap_dv", "dk_after_dq") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
         return "_".join(["bwd_sm90", self.dtype, hd, tile] + flags)
@@ -162,6 +172,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dq_split", tile.dq_split)
     flags.setdefault("dq_writer", tile.dq_writer)
     flags.setdefault("overlap_dv", tile.overlap_dv and not flags.get("softcap", False))
+    flags.setdefault("dk_after_dq", tile.dk_after_dq)
     return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
                          **flags)
 
@@ -187,6 +198,7 @@ def shipped_configs() -> list:
         make_config("bfloat16", 128, 128, causal=True, dq_split=False, dq_writer=False),
         make_config("bfloat16", 64, 64, causal=True, dq_split=False),
         make_config("bfloat16", 128, 128, causal=True, overlap_dv=False),
+        make_config("bfloat16", 64, 64, dk_after_dq=False),
     ]
     return configs
 
