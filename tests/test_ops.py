@@ -134,23 +134,13 @@ def test_forward_under_vmap_takes_the_op_not_the_direct_path():
 
 def test_forward_without_autograd_runs_the_ops_implementation_directly_with_the_same_result():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     q, k, v = _qkv()
     assert cute_flash._plain_eager(q, k, v, None)
     with FakeTensorMode() as mode:
         assert not cute_flash._plain_eager(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v), None)
 
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Record() as rec:
+    with _Record() as rec:
         traced, traced_lse = cute_flash.forward(q, k, v, causal=True, return_lse=True)
     assert any("cute_flash" in name for name in rec.ops)  # under a dispatch mode the op is what runs
 
