@@ -178,6 +178,29 @@ def test_split_kv_equals_unsplit(paged, num_splits):
     assert (lse[live] - lse_unsplit[live]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("num_splits", [40, 48, 64])
+@pytest.mark.parametrize("paged", [False, True])
+def test_split_kv_beyond_32_splits_equals_unsplit(paged, num_splits):
+    # the combine reads the LSEs of 32 splits per load and lane: past 32 splits it takes a second
+    # round. 128 blocks of 64 keys in 40 / 48 / 64 splits are 32 / 43 / 64 live splits of the
+    # longest sequence; shorter ones (and an empty one) have fewer in the same call
+    gen = torch.Generator().manual_seed(num_splits)
+    torch.manual_seed(200 + num_splits)
+    seqlens = [8192, 0, 1000, 4200, 8000]
+    q, k, v = _qkv(5, 1, 8192, 8, 2, 128)
+    used = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    unsplit, lse_unsplit = _check(q, k, v, _args(128, seqused_k=used, num_splits=1))
+    if paged:
+        k, v, table = _paged_cache(k, v, seqlens, 64, gen)
+        args = _args(128, seqused_k=used, page_table=table, max_seqlen_k=8192, num_splits=num_splits)
+    else:
+        args = _args(128, seqused_k=used, num_splits=num_splits)
+    out, lse = _check(q, k, v, args)
+    assert (out.float() - unsplit.float()).abs().max().item() <= 2 * torch.finfo(q.dtype).eps
+    live = ~torch.isneginf(lse_unsplit)
+    assert (lse[live] - lse_unsplit[live]).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("num_splits", [2, 5, 16])
 @pytest.mark.parametrize("mask", ["causal", "local"])
 @pytest.mark.parametrize("d", [64, 256])
