@@ -85,16 +85,19 @@ def _check_check(check) -> None:
         raise TypeError(f"check must be a bool or None; got {type(check).__name__} {check!r}")
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain_eager(*tensors) -> bool:
     """Whether nothing but this call would see the op: not compiling, exporting or tracing, no
     functorch transform (vmap's batched tensors are plain `torch.Tensor`s without storage), plain
-    tensors (no fake or functional subclass), no Python dispatch mode. Then `forward` and
-    `attention` run the op's implementation directly (`ops.run_fwd`, or `ops.Attention` when
-    gradients are needed), saving the dispatcher's host time per call (and, with gradients, the
-    backward's second validation)."""
+    tensors (no fake or functional subclass; an `nn.Parameter` is plain), no Python dispatch
+    mode. Then `forward` and `attention` run the op's implementation directly (`ops.run_fwd`, or
+    `ops.Attention` when gradients are needed), saving the dispatcher's host time per call (and,
+    with gradients, the backward's second validation)."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._are_functorch_transforms_active():
         return False
-    if _get_current_dispatch_mode is None or any(t is not None and type(t) is not torch.Tensor for t in tensors):
+    if _get_current_dispatch_mode is None or any(t is not None and type(t) not in _PLAIN for t in tensors):
         return False
     return _get_current_dispatch_mode() is None
 

@@ -364,3 +364,20 @@ def test_attention_without_autograd_has_no_grad_fn():
         out = cute_flash.attention(q, k, v, causal=True)
     assert out.grad_fn is None
     torch.testing.assert_close(out, cute_flash.forward(q.detach(), k.detach(), v.detach(), causal=True), rtol=0, atol=0)
+
+
+def test_parameters_as_inputs_take_the_direct_path_with_the_ops_gradients(monkeypatch):
+    q, k, v = (torch.nn.Parameter(t) for t in _qkv())
+    out = cute_flash.attention(q, k, v, causal=True)
+    assert _takes_direct_path(out)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    with _op_path(monkeypatch):
+        out2 = cute_flash.attention(q, k, v, causal=True)
+    assert _takes_op_path(out2)
+    out2.sum().backward()
+    torch.testing.assert_close(out, out2, rtol=0, atol=0)
+    for got, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, t.grad, rtol=0, atol=0)
