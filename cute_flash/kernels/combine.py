@@ -145,9 +145,7 @@ class FlashCombine:
             lse_first = Float32(-Float32.inf)  # this lane's split among the first 32
             num_lse_chunks = (live_splits + 31) // 32
             for c in cutlass.range(num_lse_chunks, unroll=1):
-                x = Float32(-Float32.inf)
-                if c * 32 + lane < live_splits:
-                    x = lse_p[c * 32 + lane]
+                x = self.split_lse(lse_p, c * 32 + lane, live_splits)
                 if c == 0:
                     lse_first = x
                 lse_max, lse_sum = merge_max_sum(lse_max, lse_sum, x, Float32(1.0))
@@ -167,26 +165,26 @@ class FlashCombine:
                 # A split with weight 0 (LSE -inf: no visible key) is not read.
                 for c in cutlass.range(num_lse_chunks, unroll=1):
                     x = lse_first
-                    if c > 0:
-                        x = Float32(-Float32.inf)
-                        if c * 32 + lane < live_splits:
-                            x = lse_p[c * 32 + lane]
+                    if c > 0:  # past 32 splits: this lane's LSE of chunk c, read again
+                        x = self.split_lse(lse_p, c * 32 + lane, live_splits)
                     weight = Float32(0.0)
                     if x != -Float32.inf:
                         weight = exp2f((x - lse_row) * LOG2_E)
                     for b in cutlass.range(32 // in_flight, unroll=1):
-                        if c * 32 + b * in_flight < live_splits:
+                        first = c * 32 + b * in_flight  # the batch's first split
+                        if first < live_splits:
                             w = cute.make_rmem_tensor(in_flight, Float32)
                             parts = cute.make_rmem_tensor((VEC, num_chunks, in_flight), Float32)
                             for u in cutlass.range_constexpr(in_flight):
                                 w[u] = cute.arch.shuffle_sync(weight, offset=b * in_flight + u)
                             for u in cutlass.range_constexpr(in_flight):
                                 if w[u] > 0.0:
-                                    o_p = self.partial_row(mOPartial, c * 32 + b * in_flight + u, batch, offset_q, row, head)
+                                    o_p = self.partial_row(mOPartial, first + u, batch, offset_q, row, head)
                                     for j in cutlass.range_constexpr(num_chunks):
                                         col = (j * 32 + lane) * VEC
                                         if self.column_ok(col, o_row):
-                                            cute.autovec_copy(cute.local_tile(o_p, (VEC,), (col // VEC,)), parts[None, j, u])
+                                            src = cute.local_tile(o_p, (VEC,), (col // VEC,))
+                                            cute.autovec_copy(src, parts[None, j, u])
                             for u in cutlass.range_constexpr(in_flight):
                                 if w[u] > 0.0:
                                     for j in cutlass.range_constexpr(num_chunks):
@@ -205,6 +203,14 @@ class FlashCombine:
                         mLSE[head, offset_q + row] = lse_row
                     else:
                         mLSE[batch, head, row] = lse_row
+
+    @cute.jit
+    def split_lse(self, lse_p: cute.Tensor, split, live_splits) -> Float32:
+        """The LSE of `split` (-inf past the live splits, whose slots this call did not write)."""
+        x = Float32(-Float32.inf)
+        if split < live_splits:
+            x = lse_p[split]
+        return x
 
     def partial_row(self, mOPartial: cute.Tensor, split, batch, offset_q, row, head) -> cute.Tensor:
         """The (dv,) float32 row of split `split`."""
