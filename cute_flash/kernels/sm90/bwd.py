@@ -28,8 +28,9 @@ formed in registers and dK/dV are written once, in the input dtype.
    soft-capping dP^T waits for P^T: tanh's values leave no room for it at head dim 128); dV
    runs while dS^T is formed (`overlap_dv`; with soft-capping it is waited for first), and dK
    while dS^T goes to shared memory, or, at head dim 64 (`dk_after_dq`), after the dQ GEMM and
-   on into the next query block, its Q stage released there. 64 * (d + dv) / 128 registers of dK and dV, the fp32 S^T
-   and dP^T tiles and two 16-bit ones do not fit next to more in flight (see `bwd_config.py`).
+   on into the next query block, its Q stage released there. 64 * (d + dv) / 128 registers of
+   dK and dV, the fp32 S^T and dP^T tiles and two 16-bit ones leave little room for more in
+   flight (see `bwd_config.py`; at head dim 128 ptxas serializes the WGMMAs with both).
    In the basic dQ path each warpgroup multiplies only its own 64 rows of K, V and dS^T, so the
    two never wait for each other: each writes its partial dQ (over its own keys, fp32) to its
    own shared-memory tile, and its first warp adds that tile to the fp32 accumulator in global
