@@ -332,6 +332,18 @@ class FlashFwdSm90:
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
         return num_heads, num_heads_k
 
+    def persistent_tile(self, tile, num_m_blocks, num_heads, num_batch, heads_per_section, mQ, mK, mCuSeqlensQ,
+                        mCuSeqlensK, mSeqUsedK, window_left, window_right) -> tuple:
+        """(m_block, head, batch) of a persistent CTA's tile `tile` (`tile_coords`, longest first
+        with a causal mask or window) and that sequence's `sequence`."""
+        cfg = self.cfg
+        m_block, head, batch = tile_coords(
+            tile, num_m_blocks, num_heads, num_batch, heads_per_section, cfg.causal or cfg.local, cutlass.min
+        )
+        return (m_block, head, batch) + self.sequence(
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right
+        )
+
     def sequence(self, batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right) -> tuple:
         """(lengths, effective window left / right, block ranges) of sequence `batch`."""
         cfg = self.cfg
@@ -358,19 +370,16 @@ class FlashFwdSm90:
         num_tiles = num_m_blocks * num_heads * num_batch
         first_tile, _, _ = cute.arch.block_idx()
         tile_step = cute.arch.grid_dim()[0]
-        longest_first = cfg.causal or cfg.local
+        # what `persistent_tile` takes besides the tile: producer and consumers walk the same tiles
+        tile_args = (num_m_blocks, num_heads, num_batch, heads_per_section, mQ, mK, mCuSeqlensQ, mCuSeqlensK,
+                     mSeqUsedK, window_left, window_right)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.registers[1])
             if warp_idx == 0:
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
                 for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
-                    m_block, head, batch = tile_coords(
-                        tile, num_m_blocks, num_heads, num_batch, heads_per_section, longest_first, cutlass.min
-                    )
-                    seqlen, left, right, block_info = self.sequence(
-                        batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right
-                    )
+                    m_block, head, batch, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
                     if m_block * cfg.tile_m < seqlen.seqlen_q:
                         n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
                         if n_block_max > n_block_min:
@@ -389,12 +398,7 @@ class FlashFwdSm90:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
-                m_block, head, batch = tile_coords(
-                    tile, num_m_blocks, num_heads, num_batch, heads_per_section, longest_first, cutlass.min
-                )
-                seqlen, left, right, block_info = self.sequence(
-                    batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right
-                )
+                m_block, head, batch, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
                 if m_block * cfg.tile_m < seqlen.seqlen_q:
                     n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
                     mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, left, right)
