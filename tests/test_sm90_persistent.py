@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cute_flash.backends.base import AttnArgs
-from cute_flash.backends.cute import PERSISTENT_L2_BYTES, CuteSm90Backend, persistent_schedule
+from cute_flash.backends.cute import PERSISTENT_L2_BYTES, CuteSm90Backend, heads_per_section, persistent_schedule
 from cute_flash.kernels.sm90 import fwd_config as fc
 from cute_flash.kernels.sm90.fwd import tile_coords
 
@@ -99,3 +99,61 @@ def test_launch_extra_gives_every_sm90_kernel_its_two_scheduling_arguments(monke
     config = fc.make_config("bfloat16", 128, 128)
     extra = backend.launch_extra(config, q, q, AttnArgs(0.1), Args())
     assert extra == tuple(("i32", x) for x in persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132))
+
+
+def _recording_backend(backend, monkeypatch):
+    """`backend` with every compiled kernel replaced by a recorder of its launch arguments (as
+    TVM-FFI takes them: tensors and Python scalars), and no device context entered."""
+    import contextlib
+
+    from cute_flash.backends import cute as cute_backend, split_kv
+
+    calls = []
+    monkeypatch.setattr(cute_backend.KernelArgs, "context", lambda self, device: contextlib.nullcontext())
+    monkeypatch.setattr(cute_backend, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(split_kv, "num_sms", lambda device: 132)
+    monkeypatch.setattr(backend, "arch", lambda device=None: "sm_90a")
+    for cache in (backend.cache, getattr(backend, "combine_cache", None)):
+        if cache is not None:
+            monkeypatch.setattr(cache, "args", cute_backend.KernelArgs(tvm_ffi=True))
+            monkeypatch.setattr(cache, "get", lambda config, arch: ((lambda *a: calls.append((config, a))), None))
+    return calls
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_the_forward_launch_passes_batch_longest_queries_and_scheduling(monkeypatch, varlen):
+    backend = CuteSm90Backend()
+    calls = _recording_backend(backend, monkeypatch)
+    if varlen:
+        q = torch.zeros(700, 4, 64, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 300, 300, 700], dtype=torch.int32)
+        args = AttnArgs(0.1, causal=True, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=400,
+                        max_seqlen_k=400)
+        batch, longest = 3, 400
+    else:
+        q = torch.zeros(2, 1000, 4, 64, dtype=torch.bfloat16)
+        args = AttnArgs(0.1)
+        batch, longest = 2, 1000
+    backend.fwd(q, q, q, torch.empty_like(q), None, args)
+    (config, launched), = calls
+    assert launched[8:10] == (batch, longest)  # num_batch, max_seqlen_q after the 8 tensors
+    assert launched[12:14] == (args.window_left, args.window_right)
+    if config.persistent:
+        assert launched[14:] == persistent_schedule(config, q, q, args, num_sms=132)
+    else:
+        assert launched[14:] == (1, heads_per_section(config, q, q, args))
+
+
+def test_split_kv_forward_and_combine_launch_with_the_same_batch_and_query_rows(monkeypatch):
+    from cute_flash.backends.cute import CuteSm80Backend
+
+    backend = CuteSm80Backend()
+    calls = _recording_backend(backend, monkeypatch)
+    q = torch.zeros(3, 1, 8, 64, dtype=torch.bfloat16)  # one token, 4 query heads per KV head: packed
+    k = torch.zeros(3, 500, 2, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    backend.fwd(q, k, k, out, torch.empty(3, 8, 1), AttnArgs(0.1, num_splits=4))
+    (fwd_config, fwd), (combine_config, combine) = calls
+    assert fwd_config.split_kv and fwd[-1] == 4
+    assert combine[8:11] == (3, fwd[9], 4)  # num_batch, max_seqlen_q, splits: the forward's
+    assert fwd[8] == 3 and fwd[9] == 4  # the 4 query heads of a group packed as 4 rows
