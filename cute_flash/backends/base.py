@@ -35,6 +35,14 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def query_sizes(q: torch.Tensor, args: "AttnArgs") -> tuple:
+    """(num_batch, max_seqlen_q) of a validated call: from cu_seqlens_q and max_seqlen_q when the
+    queries are packed, else q's (batch, seqlen) (or out's: they share those dimensions)."""
+    if args.cu_seqlens_q is not None:
+        return args.cu_seqlens_q.shape[0] - 1, args.max_seqlen_q
+    return q.shape[0], q.shape[1]
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA `device` (looked up once per device)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

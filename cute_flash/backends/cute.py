@@ -45,6 +45,7 @@ import torch
 from . import pack_gqa
 from .base import AttnArgs, Backend
 from .base import num_sms as _num_sms
+from .base import query_sizes
 
 _KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -340,9 +341,7 @@ class _CuteBackend(Backend):
             raise NotImplementedError(f"backend {self.name!r} does not implement: paged_kv")
         if args.num_splits > 1 and not inference:
             raise NotImplementedError(f"backend {self.name!r} does not implement: split_kv")
-        varlen_q = args.cu_seqlens_q is not None
-        num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-        max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+        num_batch, max_seqlen_q = query_sizes(q, args)
         if num_batch == 0 or not max_seqlen_q or q.numel() == 0:
             return
         if (k.shape[0] if args.cu_seqlens_k is not None else k.shape[1]) == 0:
@@ -402,9 +401,7 @@ class _CuteBackend(Backend):
         the grid size and tile-order section (sm_90, `launch_extra`)."""
         from ..kernels.common.softmax import softmax_constants
 
-        varlen_q = args.cu_seqlens_q is not None
-        num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-        max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+        num_batch, max_seqlen_q = query_sizes(q, args)
         scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)
         with a.context(q.device):
             fn(
@@ -460,7 +457,7 @@ def heads_per_section(config, q, k, args: AttnArgs) -> int:
     neighbouring query blocks of a head share its K/V)."""
     if not (SECTIONED_TILE_ORDER and (config.causal or config.local)):
         return 1
-    num_batch = args.cu_seqlens_q.shape[0] - 1 if args.cu_seqlens_q is not None else q.shape[0]
+    num_batch, _ = query_sizes(q, args)
     nheads = q.shape[-2]
     seqlen_k = args.max_seqlen_k if args.cu_seqlens_k is not None else k.shape[1]
     group = nheads // k.shape[-2]
@@ -471,9 +468,7 @@ def heads_per_section(config, q, k, args: AttnArgs) -> int:
 def persistent_schedule(config, q, k, args: AttnArgs, num_sms: Optional[int] = None) -> tuple:
     """(CTAs, heads per section) of a persistent sm_90 forward call: one CTA per SM, never more
     than the tiles, and `heads_per_section`."""
-    varlen_q = args.cu_seqlens_q is not None
-    num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-    max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+    num_batch, max_seqlen_q = query_sizes(q, args)
     tiles = -(-max_seqlen_q // config.tile_m) * q.shape[-2] * num_batch
     if num_sms is None:
         num_sms = _num_sms(q.device)

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .base import AttnArgs
+from .base import AttnArgs, query_sizes
 from .cute import _DTYPE_NAMES, KernelCache, kernel_flags
 
 CONFIG_MODULE = "cute_flash.kernels.sm80.bwd_config"
@@ -94,9 +94,7 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
 
 def _sizes(q, k, args: AttnArgs) -> tuple:
     """(num_batch, max_seqlen_q, max_seqlen_k) of a validated call."""
-    varlen_q = args.cu_seqlens_q is not None
-    num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-    max_seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
+    num_batch, max_seqlen_q = query_sizes(q, args)
     max_seqlen_k = args.max_seqlen_k if args.cu_seqlens_k is not None else k.shape[1]
     return num_batch, max_seqlen_q, max_seqlen_k
 

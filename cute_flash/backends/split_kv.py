@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..kernels.combine_config import MAX_SPLITS, make_config, num_splits_heuristic
-from .base import AttnArgs, num_sms
+from .base import AttnArgs, num_sms, query_sizes
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 GRID_Z_LIMIT = 65535  # CUDA's limit on gridDim.z, which the forward kernel spends on (batch, split)
@@ -39,13 +39,11 @@ def num_splits(q: torch.Tensor, k: torch.Tensor, args: AttnArgs, config, heurist
     else 1), clamped to the key blocks of the longest sequence and to the grid's z extent
     (batch x splits CTAs)."""
     n_blocks = -(-max_keys(k, args) // config.tile_n)
-    varlen_q = args.cu_seqlens_q is not None
-    batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    batch, seqlen_q = query_sizes(q, args)
     splits = args.num_splits
     if splits == 0:
         if not heuristic:
             return 1
-        seqlen_q = args.max_seqlen_q if varlen_q else q.shape[1]
         tiles = batch * q.shape[-2] * -(-seqlen_q // config.tile_m)
         sms = num_sms(q.device)
         splits = num_splits_heuristic(tiles, sms, n_blocks, MAX_SPLITS, paged=args.page_table is not None)
@@ -88,9 +86,7 @@ def combine_config(out: torch.Tensor, lse: Optional[torch.Tensor], args: AttnArg
 def launch_combine(fn, o_partial, lse_partial, out, lse, k, args: AttnArgs, a) -> None:
     """Run a compiled combine on the current stream of out's device (`a`: the `KernelArgs` of its
     cache)."""
-    varlen_q = args.cu_seqlens_q is not None
-    num_batch = args.cu_seqlens_q.shape[0] - 1 if varlen_q else out.shape[0]
-    max_seqlen_q = args.max_seqlen_q if varlen_q else out.shape[1]
+    num_batch, max_seqlen_q = query_sizes(out, args)
     with a.context(out.device):
         fn(
             a.tensor(o_partial, 16), a.tensor(lse_partial, 4), a.tensor(out, 16), a.tensor(lse, 4),
