@@ -14,9 +14,11 @@ Cases: bf16, head dims 64 / 128 / 256, causal and not, batch x seqlen x heads = 
 * `eager`: the same with `lazy_rescale=False` (every block moves the reference and rescales O);
 * at head dim 256 only: `n80` (tile_n 80 instead of 64) and `late` (`rescale_o_before_pv=False`:
   O rescaled after P·V is waited for);
-* the other grid where the tile table allows persistence (head dims 64 and 128): `grid`
-  (`persistent=False`: one CTA per tile) where the shipped configuration is persistent (no
-  causal mask), `persist` (`persistent=True`: one CTA per SM walking the tiles) where it is not;
+* the other schedules where the tile table allows persistence (head dims 64 and 128): `grid`
+  (`persistent=False`: one CTA per tile) where the shipped configuration is persistent,
+  `persist` (`persistent=True`: one CTA per SM walking the tiles) where it is not, and, with a
+  causal mask, `stride` (persistent CTAs taking the tiles by a fixed stride instead of from the
+  tile counter);
 * `fa4`: `flash_attn.cute.interface.flash_attn_func`, when importable (timed, not checked).
 
 As in `tune_tiles.py`, a variant is first checked against the float32 reference (out by the
@@ -52,7 +54,9 @@ def variants(head_dim: int, causal: bool) -> list:
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
     out = [("lazy", shipped), ("eager", replace(shipped, lazy_rescale=False))]
     if shipped.persistent:  # the one-tile-per-CTA grid
-        out += [("grid", replace(shipped, persistent=False))]
+        out += [("grid", replace(shipped, persistent=False, tile_counter=False))]
+    if shipped.tile_counter:  # persistent CTAs taking the tiles by a fixed stride
+        out += [("stride", replace(shipped, tile_counter=False))]
     elif TILES[head_dim].persistent:  # persistent CTAs where causal calls do not ship them
         out += [("persist", replace(shipped, persistent=True))]
     if head_dim == 256:

@@ -68,14 +68,22 @@ def test_persistent_flag_names_smem_and_table():
     assert persistent.name == base.name + "_persistent"
     assert persistent.smem_bytes - base.smem_bytes == 2 * 128 * 128  # O apart from Q
     assert fc.make_config("bfloat16", 64, 64).persistent
-    assert not fc.make_config("bfloat16", 64, 64, causal=True).persistent  # the grid balances causal tiles
-    assert fc.make_config("bfloat16", 64, 64, causal=True, persistent=True).persistent  # (for A/B)
+    # causal tiles come from the tile counter (a fixed stride balances them badly), except where
+    # that loop spills (hd64 with softcap)
+    causal = fc.make_config("bfloat16", 64, 64, causal=True)
+    assert causal.persistent and causal.tile_counter and causal.name.endswith("_persistent_counter")
+    assert not fc.make_config("bfloat16", 128, 128).tile_counter
+    assert not fc.make_config("bfloat16", 64, 64, causal=True, softcap=True).persistent
+    assert fc.make_config("bfloat16", 96, 96, causal=True, softcap=True).tile_counter
+    assert not fc.make_config("bfloat16", 64, 64, causal=True, persistent=False).tile_counter  # (for A/B)
+    with pytest.raises(ValueError, match="tile_counter"):
+        fc.make_config("bfloat16", 256, 256, causal=True, tile_counter=True)
     assert not fc.make_config("bfloat16", 256, 256).persistent  # Q and O apart do not fit
     with pytest.raises(ValueError, match="shared memory"):
         fc.make_config("bfloat16", 256, 256, persistent=True)
 
 
-def test_launch_extra_gives_every_sm90_kernel_its_two_scheduling_arguments(monkeypatch):
+def test_launch_extra_gives_every_sm90_kernel_its_scheduling_arguments(monkeypatch):
     import cute_flash.backends.cute as cute_backend
 
     monkeypatch.setattr(cute_backend, "_num_sms", lambda device: 132)
@@ -85,20 +93,31 @@ def test_launch_extra_gives_every_sm90_kernel_its_two_scheduling_arguments(monke
         def i32(x):
             return ("i32", x)
 
+        @staticmethod
+        def tensor(t, align):
+            return t
+
     backend = CuteSm90Backend()
     q = _q(1, 1000, 4)
     grid = fc.make_config("bfloat16", 64, 64, persistent=False)
-    assert backend.launch_extra(grid, q, q, AttnArgs(0.1), Args()) == (("i32", 1),) * 2
+    assert backend.launch_extra(grid, q, q, AttnArgs(0.1), Args()) == (("i32", 1),) * 2 + (None,)
     # a causal grid takes its section of the tile order all the same
     causal_grid = fc.make_config("bfloat16", 64, 64, causal=True, persistent=False)
     causal = AttnArgs(0.1, causal=True, window_right=0)
     assert backend.launch_extra(causal_grid, q, q, causal, Args()) == (
-        ("i32", 1), ("i32", cute_backend.heads_per_section(causal_grid, q, q, causal)))
+        ("i32", 1), ("i32", cute_backend.heads_per_section(causal_grid, q, q, causal)), None)
     monkeypatch.setattr(cute_backend, "SECTIONED_TILE_ORDER", False)
-    assert backend.launch_extra(causal_grid, q, q, causal, Args()) == (("i32", 1),) * 2
+    assert backend.launch_extra(causal_grid, q, q, causal, Args()) == (("i32", 1),) * 2 + (None,)
     config = fc.make_config("bfloat16", 128, 128)
     extra = backend.launch_extra(config, q, q, AttnArgs(0.1), Args())
-    assert extra == tuple(("i32", x) for x in persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132))
+    assert extra == tuple(("i32", x) for x in persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132)) + (None,)
+    # a causal persistent call gets a zeroed counter of its own, a new one every call
+    counted = fc.make_config("bfloat16", 128, 128, causal=True)
+    first = backend.launch_extra(counted, q, q, causal, Args())
+    second = backend.launch_extra(counted, q, q, causal, Args())
+    assert first[:2] == tuple(("i32", x) for x in persistent_schedule(counted, q, q, causal, num_sms=132))
+    assert first[2].dtype == torch.int32 and first[2].tolist() == [0]
+    assert first[2].data_ptr() != second[2].data_ptr()
 
 
 def _recording_backend(backend, monkeypatch):
@@ -139,9 +158,11 @@ def test_the_forward_launch_passes_batch_longest_queries_and_scheduling(monkeypa
     assert launched[8:10] == (batch, longest)  # num_batch, max_seqlen_q after the 8 tensors
     assert launched[12:14] == (args.window_left, args.window_right)
     if config.persistent:
-        assert launched[14:] == persistent_schedule(config, q, q, args, num_sms=132)
+        assert launched[14:16] == persistent_schedule(config, q, q, args, num_sms=132)
     else:
-        assert launched[14:] == (1, heads_per_section(config, q, q, args))
+        assert launched[14:16] == (1, heads_per_section(config, q, q, args))
+    counter = launched[16]
+    assert (counter.tolist() == [0]) if config.tile_counter else counter is None
 
 
 def test_split_kv_forward_and_combine_launch_with_the_same_batch_and_query_rows(monkeypatch):

@@ -497,10 +497,13 @@ class CuteSm90Backend(_CuteBackend):
 
     def launch_extra(self, config, q, k, args: AttnArgs, a: KernelArgs) -> tuple:
         """The persistent grid's size (ignored by the one-CTA-per-tile kernels, which take it all
-        the same) and the tile order's section (`persistent_schedule`, `heads_per_section`)."""
+        the same), the tile order's section (`persistent_schedule`, `heads_per_section`) and,
+        with `tile_counter`, a zeroed int32 counter of this call's own (None otherwise), so that calls
+        on other streams never share one (a captured graph zeroes its counter on every replay)."""
         if not getattr(config, "persistent", False):
-            return (a.i32(1), a.i32(heads_per_section(config, q, k, args)))
-        return tuple(a.i32(x) for x in persistent_schedule(config, q, k, args))
+            return (a.i32(1), a.i32(heads_per_section(config, q, k, args)), None)
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config.tile_counter else None
+        return tuple(a.i32(x) for x in persistent_schedule(config, q, k, args)) + (a.tensor(counter, 4),)
 
     def fwd(self, q, k, v, out, lse, args: AttnArgs, workspace: Optional[tuple] = None) -> None:
         if (args.page_table is not None or args.num_splits > 1

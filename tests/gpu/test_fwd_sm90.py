@@ -246,3 +246,48 @@ def test_sm90_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_
     out, lse = run_forward(backend, q, k, v, args)
     assert backend.config(q, k, v, lse, args).lazy_rescale == lazy
     check_forward(out, lse, q, k, v, args)
+
+
+@pytest.mark.parametrize("schedule", ["counter", "stride", "grid"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1500, 1500), (1001, 333), (333, 1001)])
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_sm90_fwd_causal_schedules_cover_every_tile(d, seqlen_q, seqlen_k, schedule):
+    """Causal calls with several times more tiles than SMs: persistent CTAs taking their tiles
+    from the tile counter (shipped), by a fixed stride, and one CTA per tile all store every
+    tile (outputs start as NaN), rows that see no key included (1001 x 333)."""
+    backend = _backend()
+    torch.manual_seed(d + seqlen_q)
+    q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, d, torch.bfloat16)
+    args = _args(d, True)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((3, 24, seqlen_q), float("nan"), dtype=torch.float32, device="cuda")
+    shipped = backend.config(q, k, v, lse, args)
+    assert shipped.tile_counter
+    flags = {"counter": {}, "stride": dict(tile_counter=False), "grid": dict(persistent=False, tile_counter=False)}
+    config = replace(shipped, **flags[schedule])
+    fn, _ = backend.cache.get(config, backend.arch())
+    a = backend.cache.args
+    backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
+    torch.cuda.synchronize()
+    check_forward(out, lse, q, k, v, args)
+
+
+def test_sm90_fwd_tile_counters_of_concurrent_calls_are_their_own():
+    """Causal calls queued back to back on two streams, each with its own zeroed tile counter,
+    give the results of one call alone: no call takes or skips the other's tiles."""
+    backend = _backend()
+    torch.manual_seed(5)
+    q, k, v = _qkv(4, 1024, 1024, 16, 16, 128, 128, torch.bfloat16)
+    args = _args(128, True)
+    alone, _ = _run(q, k, v, args)
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    for i in range(8):
+        with torch.cuda.stream(streams[i % 2]):
+            out = torch.full_like(q, float("nan"))
+            backend.fwd(q, k, v, out, None, args)
+            outs.append(out)
+    torch.cuda.synchronize()
+    for out in outs:
+        assert torch.equal(out, alone)

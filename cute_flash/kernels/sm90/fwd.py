@@ -31,14 +31,22 @@ are launched from the last query block down, so the longest tiles start first, a
 of a section of (batch, head) pairs whose K/V fit in L2 (`tile_coords`): the grid's last tiles
 are then the shortest of all, not the last head's longest.
 
-Persistent configurations (`persistent`: head dims 64 to 128 without a causal mask) launch one
-CTA per SM, and each walks the tiles blockIdx.x, + gridDim.x, ... in the order of `tile_coords`
-(sections of (batch, head) pairs whose K/V fit in L2, longest tiles first for local windows). Producer and
+Persistent configurations (`persistent`: head dims 64 to 128) launch one CTA per SM, and each
+walks the tiles blockIdx.x, + gridDim.x, ... (or those of the tile counter, below) in the order of
+`tile_coords` (sections of (batch, head) pairs whose K/V fit in L2, longest tiles first for causal
+masks and local windows). Producer and
 consumers walk the same sequence; the ring states of Q and K/V carry over from tile to tile, the
 consumers release Q once a tile's last S GEMM is done, so the producer loads the next tile's Q
 and first K blocks while this tile's last P·V and epilogue run. O then has its own shared
 memory instead of Q's. The ping-pong turn carries over too: both warpgroups run the same
 number of blocks per tile.
+
+With a causal mask the tiles differ in length and a fixed stride leaves some SMs with far more
+work than others: such a configuration (`tile_counter`) takes its first tile from blockIdx.x
+and every later one from a global counter (one atomic add by the producer warp, issued while
+it loads the current tile), longest first in `tile_coords`' order, so a CTA that finishes
+early takes the next tile, as the hardware's grid scheduler would. The producer hands each
+tile index to the consumers through shared memory between two named barriers.
 """
 
 from __future__ import annotations
@@ -62,10 +70,13 @@ from ..common.utils import acc_mn_view, col_predicate, store_pairs_16bit, tanhf
 from .fwd_config import LAZY_RESCALE_LOG2, Sm90FwdConfig
 from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
 
-# Named barriers (0 is __syncthreads): the consumers' epilogue, then one per consumer
-# warpgroup for the ping-pong order of GEMM issue.
+# Named barriers (0 is __syncthreads): the consumers' epilogue, one per consumer warpgroup (up to
+# 3) for the ping-pong order of GEMM issue, then the hand-over of a `tile_counter` CTA's next
+# tile index (full: written by the producer; empty: read by every consumer).
 BARRIER_EPILOGUE = 1
 BARRIER_PINGPONG = 2
+BARRIER_TILE_FULL = 5
+BARRIER_TILE_EMPTY = 6
 
 
 def tma_view(mX: cute.Tensor, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
@@ -127,6 +138,7 @@ class FlashFwdSm90:
         window_right: Int32,
         num_ctas: Int32,  # persistent: the grid (one CTA per SM, at most one per tile)
         heads_per_section: Int32,  # the tile order of causal / local grids (`tile_coords`)
+        mTileCounter: Optional[cute.Tensor],  # int32 (1,), zero: `tile_counter`'s next tile - num_ctas
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -146,6 +158,7 @@ class FlashFwdSm90:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            next_tile: cute.struct.MemRange[Int32, 1]  # `tile_counter`: the producer's hand-over
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sQO_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -188,7 +201,7 @@ class FlashFwdSm90:
             mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
             tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO,
             softmax_scale_log2, softcap_prescale, window_left, window_right,
-            num_m_blocks, num_batch, heads_per_section,
+            num_m_blocks, num_batch, heads_per_section, mTileCounter,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
             grid=grid,
@@ -226,6 +239,7 @@ class FlashFwdSm90:
         num_m_blocks: Int32,
         num_batch: Int32,
         heads_per_section: Int32,
+        mTileCounter: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -277,7 +291,7 @@ class FlashFwdSm90:
                 tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO,
                 pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
                 softmax_scale_log2, softcap_prescale, window_left, window_right,
-                num_m_blocks, num_batch, heads_per_section,
+                num_m_blocks, num_batch, heads_per_section, mTileCounter, storage.next_tile.get_tensor((1,)),
             )
         else:
             block_x, head, batch = cute.arch.block_idx()
@@ -360,34 +374,41 @@ class FlashFwdSm90:
         tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO,
         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
         softmax_scale_log2, softcap_prescale, window_left, window_right,
-        num_m_blocks, num_batch, heads_per_section,
+        num_m_blocks, num_batch, heads_per_section, mTileCounter, sNextTile,
     ):
-        """Every tile `t` = blockIdx.x, + gridDim.x, ... of this CTA, producer and consumers
-        walking the same sequence with ring states that carry over from tile to tile."""
+        """Every tile of this CTA, producer and consumers walking the same sequence with ring
+        states that carry over from tile to tile: blockIdx.x, + gridDim.x, ..., or, with
+        `tile_counter`, blockIdx.x and then whatever the counter hands out."""
         cfg = self.cfg
-        num_heads, num_heads_k = self.head_counts(mQ, mK)
-        group = num_heads // num_heads_k
+        num_heads, _ = self.head_counts(mQ, mK)
         num_tiles = num_m_blocks * num_heads * num_batch
         first_tile, _, _ = cute.arch.block_idx()
         tile_step = cute.arch.grid_dim()[0]
         # what `persistent_tile` takes besides the tile: producer and consumers walk the same tiles
         tile_args = (num_m_blocks, num_heads, num_batch, heads_per_section, mQ, mK, mCuSeqlensQ, mCuSeqlensK,
                      mSeqUsedK, window_left, window_right)
+        # the producer warp and every consumer thread meet at the hand-over barriers
+        handover_threads = 32 + self.num_consumer_threads
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.registers[1])
             if warp_idx == 0:
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
-                for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
-                    m_block, head, batch, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
-                    if m_block * cfg.tile_m < seqlen.seqlen_q:
-                        n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
-                        if n_block_max > n_block_min:
-                            q_state, kv_state = self.load(
-                                tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
-                                pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head // group, batch,
-                                n_block_min, n_block_max, states=(q_state, kv_state),
-                            )
+                load_args = (tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
+                             pipeline_q, pipeline_k, pipeline_v)
+                if cutlass.const_expr(cfg.tile_counter):
+                    tile = first_tile
+                    while tile < num_tiles:
+                        # fetched now, used after this tile's loads: the atomic's latency hides
+                        next_tile = self.fetch_tile(mTileCounter, tile_step)
+                        q_state, kv_state = self.load_persistent_tile(tile, tile_args, load_args, q_state, kv_state)
+                        cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=handover_threads)
+                        sNextTile[0] = next_tile
+                        cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL, number_of_threads=handover_threads)
+                        tile = next_tile
+                else:
+                    for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
+                        q_state, kv_state = self.load_persistent_tile(tile, tile_args, load_args, q_state, kv_state)
         else:
             cute.arch.setmaxregister_increase(cfg.registers[0])
             ctidx = tidx - 128
@@ -397,17 +418,62 @@ class FlashFwdSm90:
                     cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG, number_of_threads=256)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-            for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
-                m_block, head, batch, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
-                if m_block * cfg.tile_m < seqlen.seqlen_q:
-                    n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
-                    mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, left, right)
-                    q_state, kv_state = self.consume(
-                        ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
-                        pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
-                        seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
-                        softmax_scale_log2, softcap_prescale, states=(q_state, kv_state),
+            consume_args = (ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
+                            pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv)
+            if cutlass.const_expr(cfg.tile_counter):
+                tile = first_tile
+                while tile < num_tiles:
+                    # the slot is free again: the index of this tile was read from it
+                    cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=handover_threads)
+                    q_state, kv_state = self.consume_persistent_tile(
+                        tile, tile_args, consume_args, softmax_scale_log2, softcap_prescale, q_state, kv_state
                     )
+                    cute.arch.barrier(barrier_id=BARRIER_TILE_FULL, number_of_threads=handover_threads)
+                    tile = sNextTile[0]
+            else:
+                for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
+                    q_state, kv_state = self.consume_persistent_tile(
+                        tile, tile_args, consume_args, softmax_scale_log2, softcap_prescale, q_state, kv_state
+                    )
+
+    @cute.jit
+    def fetch_tile(self, mTileCounter: cute.Tensor, num_ctas):
+        """The next tile of a `tile_counter` CTA: num_ctas + the counter's old value, from one atomic
+        add by lane 0 broadcast to its warp (the first num_ctas tiles went by blockIdx.x)."""
+        taken = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            taken = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu")
+        return cute.arch.shuffle_sync(taken, 0) + num_ctas
+
+    @cute.jit
+    def load_persistent_tile(self, tile, tile_args, load_args, q_state, kv_state):
+        """The producer's loads of persistent tile `tile` (none if it has no visible key)."""
+        cfg = self.cfg
+        num_heads, num_heads_k = self.head_counts(tile_args[4], tile_args[5])
+        m_block, head, batch, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
+        if m_block * cfg.tile_m < seqlen.seqlen_q:
+            n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
+            if n_block_max > n_block_min:
+                q_state, kv_state = self.load(
+                    *load_args, seqlen, m_block, head, head // (num_heads // num_heads_k), batch,
+                    n_block_min, n_block_max, states=(q_state, kv_state),
+                )
+        return q_state, kv_state
+
+    @cute.jit
+    def consume_persistent_tile(self, tile, tile_args, consume_args, softmax_scale_log2, softcap_prescale,
+                                q_state, kv_state):
+        """The consumers' share of persistent tile `tile`."""
+        cfg = self.cfg
+        m_block, head, batch, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
+        if m_block * cfg.tile_m < seqlen.seqlen_q:
+            n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
+            mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, left, right)
+            q_state, kv_state = self.consume(
+                *consume_args, seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
+                softmax_scale_log2, softcap_prescale, states=(q_state, kv_state),
+            )
+        return q_state, kv_state
 
     # ------------------------------------------------------------------------------------------
     # producer

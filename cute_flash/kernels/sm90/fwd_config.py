@@ -10,10 +10,16 @@ unless noted): acc_O = 64 * dv / 128, acc_S = 64 * tile_n / 128, P = half of acc
 16-bit); with the intra-warpgroup overlap S of the next block and P of the current one are live
 together. Shared memory: Q (reused for O; apart from it in a persistent configuration) + stages
 * tile_n * (d + dv) elements, within the H100/H200's 227 KB. Head dims 64, 96 and 128 are
-persistent without a causal mask (one CTA per SM walking the tiles, `fwd.py`); causal calls
-take one CTA per tile, whose lengths the hardware's scheduler balances better than a fixed
-stride does (and at 64, causal + softcap would spill at 160 registers with the tile loop);
-192 / 256 are not persistent (Q and O apart do not fit at 256).
+persistent (one CTA per SM walking the tiles, `fwd.py`); with a causal mask the CTAs take their
+tiles from a counter (`tile_counter`), because tiles of unequal length taken by a fixed stride
+leave some SMs with much more work than others. At 64, causal + softcap would spill at 160
+registers with that loop and takes one CTA per tile. 192 / 256 are not persistent (Q and O
+apart do not fit at 256).
+
+Causal schedules of the same kernel on an H200 (bf16, 16k tokens, hidden 2048, do_bench,
+TFLOP/s in two rounds; `benchmarks/ab_sm90_fwd.py` times them as `lazy`, `stride` and `grid`): hd128 2k counter 521 / 513, fixed stride 460 /
+449, one CTA per tile 500 / 486; hd64 2k 392 / 384, 369 / 371, 359 / 358; at 8k and 16k the
+counter and the grid are level (hd128 8k 614 vs 620) and the fixed stride trails (518).
 
 | hd  | tile_m x tile_n | consumer WGs | stages | regs (consumer / producer) | ping-pong |
 | --- | --------------- | ------------ | ------ | -------------------------- | --------- |
@@ -103,9 +109,14 @@ class Sm90FwdConfig:
     # One CTA per SM walks the tiles (`FlashFwdSm90`'s tile order): the next tile's Q and K/V
     # loads overlap this tile's epilogue, whose O then has its own shared memory (not Q's).
     persistent: bool = False
+    # A persistent CTA takes its tiles from a global counter, longest first, instead of a fixed
+    # stride (make_config: causal): tiles of unequal length then end together.
+    tile_counter: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
+        if self.tile_counter and not self.persistent:
+            raise ValueError("tile_counter hands tiles to persistent CTAs; it needs persistent")
         if self.tile_m != 64 * self.num_consumer_wgs:
             raise ValueError(f"tile_m must be 64 per consumer warpgroup; got {self.tile_m} for {self.num_consumer_wgs}")
         if self.num_consumer_wgs not in REGISTERS:
@@ -152,6 +163,8 @@ class Sm90FwdConfig:
             flags.append("early_rescale")
         if self.persistent:
             flags.append("persistent")
+        if self.tile_counter:
+            flags.append("counter")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}wg{self.num_consumer_wgs}s{self.num_stages}"
         return "_".join(["fwd_sm90", self.dtype, hd, tile] + flags)
@@ -168,10 +181,14 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     flags.setdefault("pingpong", tile.pingpong and flags.get("intra_wg_overlap", True))
     # only a wide O has enough FMULs to be worth hiding (flash-attn-4 draws the same line)
     flags.setdefault("rescale_o_before_pv", hdv > 128 and flags.get("intra_wg_overlap", True))
-    # causal tiles differ in length, and the hardware's grid scheduler balances them better than
-    # a fixed stride over the tiles: on an H200 (benchmarks/ab_sm90_fwd.py, b2 x 8192 x 16 heads,
-    # hd128, bf16) the causal grid ran 604 TFLOP/s and persistent CTAs 544 (non-causal: 659 vs 676)
-    flags.setdefault("persistent", tile.persistent and not flags.get("causal", False))
+    # Causal tiles differ in length: a fixed stride over them balanced the SMs worse than the
+    # hardware's grid scheduler (benchmarks/ab_sm90_fwd.py on an H200, b2 x 8192 x 16 heads, hd128,
+    # bf16: causal grid 604 TFLOP/s, persistent CTAs 544); persistent causal CTAs therefore take
+    # their tiles from a counter (`tile_counter`). At hd 64, causal + softcap spills with the
+    # counter loop at 160 registers: that one stays on the grid.
+    causal = flags.get("causal", False)
+    flags.setdefault("persistent", tile.persistent and not (causal and hd == 64 and flags.get("softcap", False)))
+    flags.setdefault("tile_counter", flags["persistent"] and causal)
     return Sm90FwdConfig(
         dtype=dtype,
         head_dim=hd,
@@ -210,9 +227,11 @@ def shipped_configs() -> list:
     # the eager rescale (every block moves the exp reference), kept for benchmarks/ab_sm90_fwd.py
     configs += [make_config("bfloat16", d, d, causal=causal, lazy_rescale=False)
                 for d in (64, 128, 256) for causal in (False, True)]
-    # the other grid where the table is persistent, for A/B (selfcheck's variants)
-    configs += [make_config("bfloat16", d, d, causal=causal, persistent=causal)
+    # the other schedules where the table is persistent, for A/B (selfcheck's variants): one CTA
+    # per tile, and causal tiles by a fixed stride
+    configs += [make_config("bfloat16", d, d, causal=causal, persistent=False)
                 for d in (64, 128) for causal in (False, True)]
+    configs += [make_config("bfloat16", d, d, causal=True, tile_counter=False) for d in (64, 128)]
     return configs
 
 
@@ -226,8 +245,11 @@ def fake_arguments(config: Sm90FwdConfig) -> tuple:
 
     from ..common.fake_tensors import fake_forward_arguments
 
-    # + the persistent grid's size and tile order (`FlashFwdSm90.__call__`)
-    return fake_forward_arguments(config) + (cutlass.Int32(1), cutlass.Int32(1))
+    from ..common.fake_tensors import fake_tensor
+
+    # + the persistent grid's size, the tile order and the tile counter (`FlashFwdSm90.__call__`)
+    counter = fake_tensor(cutlass.Int32, 1) if config.tile_counter else None
+    return fake_forward_arguments(config) + (cutlass.Int32(1), cutlass.Int32(1), counter)
 
 
 def compile_fwd(config: Sm90FwdConfig, options: str = "--gpu-arch sm_90a"):

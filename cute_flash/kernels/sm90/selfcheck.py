@@ -6,7 +6,8 @@
 Each error line shows max|out - ref| next to max|out_torch - ref| (the same attention in plain
 PyTorch at the input precision) and whether the DESIGN.md rule (<= 2x + atol) holds, for every
 schedule variant of the configuration (ping-pong + intra-warpgroup overlap, overlap only,
-neither, and the configuration's own schedule on a persistent grid and on one CTA per tile),
+neither, and the configuration's own schedule on a persistent grid, by a fixed stride and from
+the tile counter, and on one CTA per tile),
 so that a wrong result points at the part of the schedule that broke. Timings use
 bf16, 16k total tokens, hidden 2048 (nheads = 2048 / head dim), FLOPs = 4 b h sq sk d (halved
 for causal), median over CUDA-event timed groups of back-to-back calls.
@@ -29,10 +30,11 @@ VARIANTS = {
     "pingpong": dict(intra_wg_overlap=True, pingpong=True),
     "overlap": dict(intra_wg_overlap=True, pingpong=False),
     "serial": dict(intra_wg_overlap=False, pingpong=False),
-    # the configuration's own schedule on a persistent grid (where Q and O fit apart), and on
-    # one CTA per tile
-    "persist": dict(persistent=True),
-    "grid": dict(persistent=False),
+    # the configuration's own schedule on a persistent grid (where Q and O fit apart) with tiles
+    # by a fixed stride and from the tile counter, and on one CTA per tile
+    "persist": dict(persistent=True, tile_counter=False),
+    "counter": dict(persistent=True, tile_counter=True),
+    "grid": dict(persistent=False, tile_counter=False),
 }
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dv, dtype, causal, window, softcap, varlen)
