@@ -62,6 +62,20 @@ def nan_framed_kv(batch, seqlen_k, nheads_k, d, dv, dtype, varlen=False):
     return k, v
 
 
+def poison_fresh_float_buffers(monkeypatch) -> None:
+    """From here to the end of the test every float tensor from torch.empty / torch.empty_like is
+    NaN-filled, so a kernel that reads a buffer its host code allocated before any kernel wrote it
+    (a dQ accumulator not cleared, row statistics not computed) turns the result NaN."""
+    def poisoned(make):
+        def make_poisoned(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        return make_poisoned
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+
+
 def run_forward(backend, q, k, v, args: AttnArgs):
     """(out, lse) of `backend.fwd`, both poisoned with NaN before the call."""
     out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)

@@ -1,10 +1,10 @@
 """Host side of the sm_80 backward: buffers, configuration choice and the three launches.
 
 1. preprocess (`kernels/sm80/bwd_pre.py`): D = rowsum(dO * O) - dlse and LSE * log2(e) (+inf
-   where the LSE is -inf), both float32 and shaped like the LSE;
+   where the LSE is -inf), both float32 and shaped like the LSE, and the dQ accumulator cleared;
 2. main kernel (`kernels/sm80/bwd.py`): one CTA per (key block, KV head, batch) writes dK and dV
    (summed over the query heads of its GQA group in registers) and adds dQ into a float32
-   accumulator (zeroed here, shaped like q with the kernel's padded head dim) with atomics;
+   accumulator (shaped like q with the kernel's padded head dim) with atomics;
 3. postprocess (`kernels/sm80/bwd_post.py`): dQ = scale * accumulator, rounded to the dtype.
 
 GQA therefore needs no dK/dV buffers and no reduction pass. The atomic dQ accumulation makes the
@@ -79,7 +79,9 @@ def _row_kernel_configs(q, v, dlse, args: AttnArgs, main) -> tuple:
 
     dtype = _DTYPE_NAMES[q.dtype]
     varlen_q = args.cu_seqlens_q is not None
-    pre = bwd_config.make_pre_config(dtype, v.shape[-1], varlen_q=varlen_q, has_dlse=dlse is not None)
+    # the preprocess kernel also clears the dQ accumulator, as wide as the main kernel's tile
+    pre = bwd_config.make_pre_config(dtype, v.shape[-1], varlen_q=varlen_q, has_dlse=dlse is not None,
+                                     dq_accum_cols=main.head_dim)
     post = bwd_config.make_post_config(dtype, q.shape[-1], varlen_q=varlen_q)
     return pre, main, post
 
@@ -126,7 +128,7 @@ def _run(backend, pre, post, launch_main, q, out, dout, lse, dlse, lse_log2, del
     with a.context(q.device):
         fn_pre(
             a.tensor(out, 16), a.tensor(dout, 16), a.tensor(lse, 4), a.tensor(dlse, 4), a.tensor(lse_log2, 4),
-            a.tensor(delta, 4), cu_q, a.i32(num_batch), a.i32(max_seqlen_q), *a.stream(),
+            a.tensor(delta, 4), a.tensor(dq_accum, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q), *a.stream(),
         )
         launch_main()
         fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),
@@ -149,7 +151,7 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
     dlse = dlse.contiguous() if dlse is not None else None
     lse_log2 = torch.empty_like(lse)
     delta = torch.empty_like(lse)
-    dq_accum = torch.zeros(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)
+    dq_accum = torch.empty(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)  # cleared by `pre`
     # deterministic: one turn counter per (batch, head, query block)
     dq_sem = (torch.zeros(num_batch, q.shape[-2], -(-max_seqlen_q // main.tile_m), dtype=torch.int32, device=q.device)
               if deterministic else None)
@@ -196,7 +198,7 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
     dlse = dlse.contiguous() if dlse is not None else None
     lse_log2 = _tma_row_stats(lse)
     delta = _tma_row_stats(lse)
-    dq_accum = torch.zeros(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)
+    dq_accum = torch.empty(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)  # cleared by `pre`
 
     fn_main, _ = sm90_kernel_cache().get(main, backend.arch(q.device))
     scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)

@@ -110,20 +110,30 @@ class Sm80BwdConfig:
 
 @dataclass(frozen=True)
 class Sm80BwdPreConfig:
-    """The preprocess kernel (`bwd_pre.py`): D and the log2-space LSE."""
+    """The preprocess kernel (`bwd_pre.py`): D and the log2-space LSE, and the fp32 dQ
+    accumulator's rows cleared."""
 
     dtype: str
     head_dim_v: int  # tile columns: the head dim of O rounded up to ROW_KERNEL_COLS
     check_hdim_v: bool = False
     varlen_q: bool = False
     has_dlse: bool = False
+    # columns of the dQ accumulator (the main kernel's padded head dim) to clear; 0: none
+    dq_accum_cols: int = 0
     tile_m: int = 64
     num_threads: int = 128
+
+    def __post_init__(self):
+        if self.dq_accum_cols % 4 or (self.tile_m * self.dq_accum_cols // 4) % self.num_threads:
+            raise ValueError(f"dq_accum_cols must be a multiple of 8 (whole 128-bit stores on every thread); "
+                             f"got {self.dq_accum_cols}")
 
     @property
     def name(self) -> str:
         flags = [f for f, on in (("paddedv", self.check_hdim_v), ("varlen_q", self.varlen_q),
                                  ("dlse", self.has_dlse)) if on]
+        if self.dq_accum_cols:
+            flags.append(f"dq{self.dq_accum_cols}")
         return "_".join(["bwdpre_sm80", self.dtype, f"hdv{self.head_dim_v}"] + flags)
 
 
@@ -148,9 +158,10 @@ def _row_kernel_cols(d: int) -> int:
     return -(-d // ROW_KERNEL_COLS) * ROW_KERNEL_COLS
 
 
-def make_pre_config(dtype: str, head_dim_v: int, varlen_q: bool, has_dlse: bool) -> Sm80BwdPreConfig:
+def make_pre_config(dtype: str, head_dim_v: int, varlen_q: bool, has_dlse: bool,
+                    dq_accum_cols: int = 0) -> Sm80BwdPreConfig:
     cols = _row_kernel_cols(head_dim_v)
-    return Sm80BwdPreConfig(dtype, cols, cols != head_dim_v, varlen_q, has_dlse)
+    return Sm80BwdPreConfig(dtype, cols, cols != head_dim_v, varlen_q, has_dlse, dq_accum_cols)
 
 
 def make_post_config(dtype: str, head_dim: int, varlen_q: bool) -> Sm80BwdPostConfig:
@@ -193,8 +204,8 @@ def shipped_configs() -> list:
         make_config("float16", 128, 64, causal=True),
         replace(base, causal=True, deterministic=True),
         make_config("float16", 64, 64, local=True, varlen_q=True, varlen_k=True, deterministic=True),
-        make_pre_config("bfloat16", 128, varlen_q=False, has_dlse=False),
-        make_pre_config("float16", 96, varlen_q=True, has_dlse=True),
+        make_pre_config("bfloat16", 128, varlen_q=False, has_dlse=False, dq_accum_cols=128),
+        make_pre_config("float16", 96, varlen_q=True, has_dlse=True, dq_accum_cols=96),
         make_post_config("bfloat16", 128, varlen_q=False),
         make_post_config("float16", 96, varlen_q=True),
     ]
@@ -254,6 +265,7 @@ def compile_kernel(config, options: str = "--gpu-arch sm_80"):
             tokens, fake_tokens(element_type(config.dtype), config.varlen_q, 8), _fake_row_stats(config.varlen_q),
             _fake_row_stats(config.varlen_q) if config.has_dlse else None,
             _fake_row_stats(config.varlen_q), _fake_row_stats(config.varlen_q),
+            fake_tokens(cutlass.Float32, config.varlen_q, 4) if config.dq_accum_cols else None,  # dq_accum
             fake_int_vector() if config.varlen_q else None, cutlass.Int32(1), cutlass.Int32(1),
         )
         return cute.compile(FlashBwdPreSm80(config), *args, stream, options=options)
