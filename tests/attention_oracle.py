@@ -76,6 +76,22 @@ def poison_fresh_float_buffers(monkeypatch) -> None:
     monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
 
 
+def small_backward_case(d: int, varlen: bool) -> tuple:
+    """(q, k, v, AttnArgs keywords) of a small bf16 GQA backward case: 2 x 257 queries over 300
+    NaN-framed keys, or five packed sequences (one empty) with a causal mask."""
+    if varlen:
+        seqlens_q, seqlens_k = [113, 0, 300, 64, 7], [203, 5, 333, 64, 300]
+        cu_q = torch.tensor([0] + torch.tensor(seqlens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0] + torch.tensor(seqlens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        q = torch.randn(int(cu_q[-1]), 4, d, dtype=torch.bfloat16, device="cuda")
+        k, v = nan_framed_kv(None, int(cu_k[-1]), 2, d, d, torch.bfloat16, varlen=True)
+        return q, k, v, dict(causal=True, window_right=0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
+    q = torch.randn(2, 257, 4, d, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(2, 300, 2, d, d, torch.bfloat16)
+    return q, k, v, {}
+
+
 def run_forward(backend, q, k, v, args: AttnArgs):
     """(out, lse) of `backend.fwd`, both poisoned with NaN before the call."""
     out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from attention_oracle import (
-    backend_or_skip, check_backward, nan_framed_kv, poison_fresh_float_buffers, randn_in_nan, strided_qkv,
+    backend_or_skip, check_backward, nan_framed_kv, poison_fresh_float_buffers, randn_in_nan,
+    small_backward_case, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention
@@ -222,17 +223,6 @@ def test_bwd_buffers_it_allocates_may_hold_anything(monkeypatch, d, varlen):
     writes them (it clears the accumulator): with every fresh float buffer NaN-filled the gradients
     still match the oracle."""
     torch.manual_seed(d + varlen)
-    if varlen:
-        seqlens_q, seqlens_k = [113, 0, 300, 64, 7], [203, 5, 333, 64, 300]
-        cu_q = torch.tensor([0] + torch.tensor(seqlens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        cu_k = torch.tensor([0] + torch.tensor(seqlens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        q = torch.randn(int(cu_q[-1]), 4, d, dtype=torch.bfloat16, device="cuda")
-        k, v = nan_framed_kv(None, int(cu_k[-1]), 2, d, d, torch.bfloat16, varlen=True)
-        args = _args(d, causal=True, window_right=0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                     max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
-    else:
-        q = torch.randn(2, 257, 4, d, dtype=torch.bfloat16, device="cuda")
-        k, v = nan_framed_kv(2, 300, 2, d, d, torch.bfloat16)
-        args = _args(d)
+    q, k, v, kw = small_backward_case(d, varlen)
     poison_fresh_float_buffers(monkeypatch)
-    _check(q, k, v, args)
+    _check(q, k, v, _args(d, **kw))
