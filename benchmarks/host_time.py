@@ -5,7 +5,10 @@ step, eager, through the direct path and through the torch.library op, on a CUDA
     python benchmarks/host_time.py --batch 8 --seqlen 2048 --no-causal
 
 Host time is what the Python call takes to return while the GPU is kept busy (a sleep kernel
-queued first), so no launch waits for the device: the median over `--calls` calls. The op path
+queued first), so no launch waits for the device, in two ways: the mean over `--calls` calls made
+back to back (the steady state of a training or serving loop), and the median of single calls,
+each made right after the host waited for the GPU (a cold call: caches and the launch path
+after an idle spell). The op path
 is taken by telling `forward` / `attention` a tracer is active (`cute_flash._plain_eager`
 patched to False), which is where torch.compile, torch.export and dispatch modes send them.
 With a kernel shorter than its host time, do_bench-style timings measure this instead of the GPU.
@@ -27,18 +30,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cute_flash  # noqa: E402
 
 
-def host_us(fn, calls: int) -> float:
+# GPU clock cycles of sleep queued ahead of each call (a few ms at H100/H200 clocks: longer than
+# any call's host time here)
+SLEEP_CYCLES_PER_CALL = 8_000_000
+
+
+def host_us(fn, calls: int) -> tuple:
+    """(mean µs of `calls` back-to-back calls, median µs of `calls` single calls)."""
     fn()
     torch.cuda.synchronize()
-    times = []
+    torch.cuda._sleep(SLEEP_CYCLES_PER_CALL * calls)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    back_to_back = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    single = []
     for _ in range(calls):
         torch.cuda.synchronize()
-        torch.cuda._sleep(5_000_000)  # a few ms of GPU work ahead of the call
+        torch.cuda._sleep(SLEEP_CYCLES_PER_CALL)
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
+        single.append(time.perf_counter() - start)
     torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    return back_to_back * 1e6, statistics.median(single) * 1e6
 
 
 @contextlib.contextmanager
@@ -84,12 +99,13 @@ def main(argv=None) -> int:
 
     print(f"{torch.cuda.get_device_name()}, bf16, q/k/v {shape}, causal={causal}, "
           f"backend {cute_flash.backend_info()['backend']}")
+    print("host µs per call: back-to-back mean / single-call median")
     for name, fn in (("forward", forward), ("attention", attention), ("forward + backward", step)):
         row = []
         for through_op in (False, True):
             with op_path(through_op):
-                row.append(host_us(fn, args.calls))
-        print(f"{name:20s} host us per call: direct {row[0]:7.0f}   through the op {row[1]:7.0f}")
+                row.append("{:6.0f} / {:6.0f}".format(*host_us(fn, args.calls)))
+        print(f"{name:20s} direct {row[0]}   through the op {row[1]}")
     return 0
 
 
