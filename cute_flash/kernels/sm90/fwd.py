@@ -399,7 +399,7 @@ class FlashFwdSm90:
                 if cutlass.const_expr(cfg.tile_counter):
                     tile = first_tile
                     while tile < num_tiles:
-                        # fetched now, used after this tile's loads: the atomic's latency hides
+                        # the next tile, taken before this tile's loads (its broadcast waits for the atomic)
                         next_tile = self.fetch_tile(mTileCounter, tile_step)
                         q_state, kv_state = self.load_persistent_tile(tile, tile_args, load_args, q_state, kv_state)
                         cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=handover_threads)
