@@ -97,6 +97,13 @@ BARRIER_DQ_FULL = BARRIER_BOTH + 1
 BARRIER_DQ_EMPTY = BARRIER_DQ_FULL + NUM_CONSUMER_WGS
 
 
+def step_coords(it, head_k, group, m_block_min, m_steps):
+    """(query head, query block) of step `it` of a CTA's walk, which the producer, the consumers and
+    the dQ writer take in the same order: every query block of the first head of the KV head's
+    group, then of the next head."""
+    return head_k * group + it // m_steps, m_block_min + it % m_steps
+
+
 def transposed(t: cute.Tensor) -> cute.Tensor:
     """The (cols, rows[, stages]) view of a (rows, cols[, stages]) shared-memory tile: the
     MN-major operand over the same bytes."""
@@ -364,8 +371,7 @@ class FlashBwdSm90:
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         for it in cutlass.range(m_steps * group, unroll=1):
-            head = head_k * group + it // m_steps
-            m_block = m_block_min + it % m_steps
+            head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
             gQ = cute.local_tile(rows(tma_mQ, cfg.varlen_q, seqlen.offset_q, batch, head),
                                  (cfg.tile_m, cfg.head_dim), (m_block, 0))
             gdO = cute.local_tile(rows(tma_mdO, cfg.varlen_q, seqlen.offset_q, batch, head),
@@ -395,8 +401,7 @@ class FlashBwdSm90:
         writer_and_wg = 32 + 128
         steps = m_steps * group
         for it in cutlass.range(steps, unroll=1):
-            head = head_k * group + it // m_steps
-            m_block = m_block_min + it % m_steps
+            head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
             for w in cutlass.range_constexpr(NUM_CONSUMER_WGS):
                 cute.arch.barrier(barrier_id=BARRIER_DQ_FULL + w, number_of_threads=writer_and_wg)
                 self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w], seqlen, batch, head, m_block, w)
@@ -518,8 +523,7 @@ class FlashBwdSm90:
             # with `dk_after_dq` a stage is released one block late, once its dK GEMM is done
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             for it in cutlass.range(m_steps * group, unroll=1):
-                head = head_k * group + it // m_steps
-                m_block = m_block_min + it % m_steps
+                head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
                 m_lo = m_block * cfg.tile_m
                 stage = state.index
                 pipeline_q.consumer_wait(state)
