@@ -59,7 +59,7 @@ class OnlineSoftmax:
         correction = cute.make_rmem_tensor(cute.size(self.row_max), Float32)
         self.probs(acc_S, correction, is_first)
         if cutlass.const_expr(not is_first):
-            self.rescale_O(acc_O, correction)
+            self.rescale(acc_O, correction)
 
     @cute.jit
     def probs(self, acc_S: cute.Tensor, correction: cute.Tensor, is_first: cutlass.Constexpr[bool]):
@@ -102,6 +102,15 @@ class OnlineSoftmax:
                 row_sum += p
             self.row_sum[r] = row_sum
             self.row_max[r] = new_max
+
+    @cute.jit
+    def rescale(self, acc_O: cute.Tensor, correction: cute.Tensor):
+        """O *= the factors `probs` left in `correction`: `rescale_O`, or with the lazy rescale
+        `rescale_O_unless_unit` (most blocks then keep every row's reference)."""
+        if cutlass.const_expr(self.rescale_threshold > 0.0):
+            OnlineSoftmax.rescale_O_unless_unit(acc_O, correction)
+        else:
+            OnlineSoftmax.rescale_O(acc_O, correction)
 
     @staticmethod
     @cute.jit

@@ -685,11 +685,8 @@ class FlashFwdSm90:
     @cute.jit
     def rescale_O(self, softmax: OnlineSoftmax, acc_O, correction):
         """O *= the last softmax's correction factors (with the lazy rescale a warp skips this
-        when all of its factors are 1)."""
-        if cutlass.const_expr(self.cfg.lazy_rescale):
-            softmax.rescale_O_unless_unit(acc_as_mma_sync(acc_O), correction)
-        else:
-            softmax.rescale_O(acc_as_mma_sync(acc_O), correction)
+        when all of its factors are 1: `OnlineSoftmax.rescale`)."""
+        softmax.rescale(acc_as_mma_sync(acc_O), correction)
 
     @cute.jit
     def probs_to_16bit(self, acc_S, rP):
