@@ -55,10 +55,10 @@ def variants(head_dim: int, causal: bool) -> list:
     out = [("lazy", shipped), ("eager", replace(shipped, lazy_rescale=False))]
     if shipped.persistent:  # the one-tile-per-CTA grid
         out += [("grid", replace(shipped, persistent=False, tile_counter=False))]
+    elif TILES[head_dim].persistent:  # persistent CTAs where the call does not ship them
+        out += [("persist", replace(shipped, persistent=True))]
     if shipped.tile_counter:  # persistent CTAs taking the tiles by a fixed stride
         out += [("stride", replace(shipped, tile_counter=False))]
-    elif TILES[head_dim].persistent:  # persistent CTAs where causal calls do not ship them
-        out += [("persist", replace(shipped, persistent=True))]
     if head_dim == 256:
         out += [("n80", replace(shipped, tile_n=80)), ("late", replace(shipped, rescale_o_before_pv=False))]
     return out

@@ -334,3 +334,20 @@ def replace_tile(config, like):
 
     return replace(config, **{f: getattr(like, f) for f in ("tile_m", "tile_n", "num_stages", "num_consumer_wgs",
                                                             "pingpong")})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_ab_sm90_fwd_times_distinct_schedules(head_dim, causal):
+    """benchmarks/ab_sm90_fwd.py times the shipped forward and variants that differ from it: the
+    other grid where the table is persistent, and the fixed stride where causal tiles come from
+    the counter."""
+    import ab_sm90_fwd
+
+    variants = ab_sm90_fwd.variants(head_dim, causal)
+    labels = [label for label, _ in variants]
+    configs = [config for _, config in variants]
+    assert labels[0] == "lazy" and len(set(labels)) == len(labels)
+    assert len(set(configs)) == len(configs)
+    assert ("grid" in labels) == configs[0].persistent
+    assert ("stride" in labels) == configs[0].tile_counter
