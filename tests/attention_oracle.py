@@ -92,6 +92,17 @@ def small_backward_case(d: int, varlen: bool) -> tuple:
     return q, k, v, {}
 
 
+def poisoned_backward_case(monkeypatch, d: int, varlen: bool) -> tuple:
+    """`small_backward_case` (seeded by d and varlen), then every fresh float buffer NaN-filled
+    (`poison_fresh_float_buffers`): the backward's dQ accumulator and row statistics come from
+    torch.empty and its preprocess kernel must write them (it clears the accumulator), or the
+    gradients turn NaN."""
+    torch.manual_seed(d + varlen)
+    case = small_backward_case(d, varlen)
+    poison_fresh_float_buffers(monkeypatch)
+    return case
+
+
 def run_forward(backend, q, k, v, args: AttnArgs):
     """(out, lse) of `backend.fwd`, both poisoned with NaN before the call."""
     out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
