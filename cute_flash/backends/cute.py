@@ -125,8 +125,10 @@ class KernelArgs:
             if not self.tvm_ffi:
                 yield
                 return
+            import tvm_ffi
+
             index = device.index if switch else current
-            with _tvm_ffi_use_stream(_tvm_ffi_device(index), torch.cuda.current_stream().cuda_stream):
+            with tvm_ffi.use_raw_stream(_tvm_ffi_device(index), torch.cuda.current_stream().cuda_stream):
                 yield
 
 
@@ -135,12 +137,6 @@ def _tvm_ffi_device(index: int):
     import tvm_ffi
 
     return tvm_ffi.device(f"cuda:{index}")
-
-
-def _tvm_ffi_use_stream(device, stream: int):
-    import tvm_ffi
-
-    return tvm_ffi.use_raw_stream(device, stream)
 
 
 def device_arch(device: Optional[torch.device] = None) -> str:
