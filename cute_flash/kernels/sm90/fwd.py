@@ -399,9 +399,10 @@ class FlashFwdSm90:
                 if cutlass.const_expr(cfg.tile_counter):
                     tile = first_tile
                     while tile < num_tiles:
-                        # the next tile, taken before this tile's loads (its broadcast waits for the atomic)
-                        next_tile = self.fetch_tile(mTileCounter, tile_step)
+                        # taken now, read after this tile's loads: the atomic's latency hides behind them
+                        taken = self.take_tile(mTileCounter)
                         q_state, kv_state = self.load_persistent_tile(tile, tile_args, load_args, q_state, kv_state)
+                        next_tile = cute.arch.shuffle_sync(taken, 0) + tile_step
                         cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=handover_threads)
                         sNextTile[0] = next_tile
                         cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL, number_of_threads=handover_threads)
@@ -437,13 +438,14 @@ class FlashFwdSm90:
                     )
 
     @cute.jit
-    def fetch_tile(self, mTileCounter: cute.Tensor, num_ctas):
-        """The next tile of a `tile_counter` CTA: num_ctas + the counter's old value, from one atomic
-        add by lane 0 broadcast to its warp (the first num_ctas tiles went by blockIdx.x)."""
+    def take_tile(self, mTileCounter: cute.Tensor):
+        """One atomic add on the tile counter by lane 0, whose old value is returned (in lane 0; the
+        caller broadcasts it): the CTA's next tile is num_ctas + that value (the first num_ctas
+        tiles went by blockIdx.x)."""
         taken = Int32(0)
         if cute.arch.lane_idx() == 0:
             taken = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu")
-        return cute.arch.shuffle_sync(taken, 0) + num_ctas
+        return taken
 
     @cute.jit
     def load_persistent_tile(self, tile, tile_args, load_args, q_state, kv_state):
