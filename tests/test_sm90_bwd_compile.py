@@ -49,7 +49,7 @@ def test_sm90_bwd_refuses_a_headdim_of_v_that_differs_by_name():
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 16  # each one is compiled and audited
+    assert len(configs) <= 17  # each one is compiled and audited
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -57,7 +57,17 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
     base = bc.make_config("bfloat16", 128, 128)  # every flag can flip at head dim 128
     for f in fields(base):
         if isinstance(getattr(base, f.name), bool):
-            assert replace(base, **{f.name: not getattr(base, f.name)}).name != base.name, f.name
+            flipped = {f.name: not getattr(base, f.name)}
+            if f.name == "dq_writer":
+                flipped["dq_fence_late"] = False  # which needs the writer
+            assert replace(base, **flipped).name != base.name, f.name
+
+
+def test_sm90_bwd_dq_fence_late_needs_the_writer_warp():
+    assert bc.make_config("bfloat16", 128, 128).dq_fence_late
+    assert not bc.make_config("bfloat16", 128, 128, dq_writer=False).dq_fence_late
+    with pytest.raises(ValueError, match="dq_fence_late"):
+        bc.make_config("bfloat16", 128, 128, dq_writer=False, dq_fence_late=True)
 
 
 def test_sm90_bwd_dq_split_is_the_hd64_and_hd128_default_and_needs_one_of_them():

@@ -527,6 +527,12 @@ class FlashBwdSm90:
                 m_lo = m_block * cfg.tile_m
                 stage = state.index
                 pipeline_q.consumer_wait(state)
+                # this thread's LSE and D: its first query's entry + thread 0's column (immediates)
+                sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
+                sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
+                lse_r = None
+                if cutlass.const_expr(cfg.stats_early):
+                    lse_r = self.thread_stats(sLSE_thr, t0ScS_mn)
                 acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
                 acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
                 gemm(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
@@ -534,6 +540,9 @@ class FlashBwdSm90:
                 # room for the dP^T tile in flight next to dK and dV at head dim 128
                 if cutlass.const_expr(not cfg.softcap):
                     gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+                if cutlass.const_expr(cfg.dq_fence_late):
+                    if it > 0:  # the previous block's dQ tile is stored: hand it to the writer warp
+                        self.hand_over_dq(wg_idx)
                 warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
                 if cutlass.const_expr(cfg.dk_after_dq):
                     if it > 0:  # the previous block's dK GEMM, the last reader of its stage, is done
@@ -546,9 +555,6 @@ class FlashBwdSm90:
                     masked = masked | (n_lo + cfg.tile_n - 1 > m_lo + offset + right)
                 if cutlass.const_expr(cfg.local):
                     masked = masked | (n_lo < m_lo + cfg.tile_m - 1 + offset - left)
-                # this thread's LSE and D: its first query's entry + thread 0's column (immediates)
-                sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
-                sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
                 if masked:
                     # a (key, query) pair of this thread is key0 + k, query0 + q with (k, q) thread
                     # 0's coordinates; the limits below move this thread's part to the right side
@@ -559,9 +565,9 @@ class FlashBwdSm90:
                         query0 + offset + right - key0,  # k - q > this: right of the window / diagonal
                         query0 + offset - left - key0,  # k - q < this: left of the window
                     )
-                    self.probs(acc_S, rP, sLSE_thr, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
+                    self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
                 else:
-                    self.probs(acc_S, rP, sLSE_thr, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
+                    self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
                 if cutlass.const_expr(cfg.softcap):
                     gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
                 else:
@@ -610,14 +616,16 @@ class FlashBwdSm90:
                     if it > 0:  # the writer warp's last reduce-add from sdQ_wg has read it
                         cute.arch.barrier(barrier_id=BARRIER_DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
                     cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
-                    cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
-                    cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_FULL + wg_idx, number_of_threads=128 + 32)
+                    if cutlass.const_expr(not cfg.dq_fence_late):
+                        self.hand_over_dq(wg_idx)
                 else:
                     cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
                     cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
                     if dq_warp:
                         self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg, seqlen, batch, head, m_block, wg_idx)
+            if cutlass.const_expr(cfg.dq_fence_late):
+                self.hand_over_dq(wg_idx)  # the last block's dQ tile
             if cutlass.const_expr(cfg.dk_after_dq):
                 warpgroup.wait_group(0)  # the last block's dK
                 pipeline_q.consumer_release(release_state)
@@ -634,20 +642,37 @@ class FlashBwdSm90:
             self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, thr_mma_dV)
 
     @cute.jit
-    def probs(self, acc_S, rP, sLSE_thr, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale):
+    def hand_over_dq(self, wg_idx):
+        """The warpgroup's dQ tile, stored to shared memory, goes to the writer warp (`dq_writer`)."""
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
+        cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_FULL + wg_idx, number_of_threads=128 + 32)
+
+    @cute.jit
+    def thread_stats(self, sX_thr, t0ScS_mn) -> cute.Tensor:
+        """This thread's entries of a query block's LSE rows (`stats_early`), one per column of
+        its S^T fragment, in registers."""
+        n = cute.size(t0ScS_mn, mode=[1])
+        r = cute.make_rmem_tensor((n,), Float32)
+        for c in cutlass.range_constexpr(n):
+            r[c] = sX_thr[t0ScS_mn[0, c][1]]
+        return r
+
+    @cute.jit
+    def probs(self, acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale):
         """P^T = exp2(S^T * scale_log2 - LSE_log2[query]), in place in acc_S (fp32).
 
         With soft-capping, S^T is first t = tanh(S^T * scale / softcap) and the chain rule needs
         1 - t^2 next to P^T: P^T goes to rP (16 bits, the dV operand) here, and acc_S keeps the
         product P^T (1 - t^2), the one factor dS^T needs -- one fp32 tile instead of two.
-        With `limits` (the masked path, see `consume`), hidden (key, query) pairs get P = 0:
+        `lse_r`: this thread's LSE entries in registers (`stats_early`), or None to read them from
+        `sLSE_thr`. With `limits` (the masked path, see `consume`), hidden (key, query) pairs get P = 0:
         keys past seqlen_k, queries past seqlen_q, and pairs outside the causal / local window."""
         cfg = self.cfg
         acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
         rP_mn = acc_mn_view(acc_as_mma_sync(rP))
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
             q = t0ScS_mn[0, c][1]
-            lse = sLSE_thr[q]
+            lse = lse_r[c] if cutlass.const_expr(lse_r is not None) else sLSE_thr[q]
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 s = acc_S_mn[r, c]
                 if cutlass.const_expr(cfg.softcap):

@@ -52,13 +52,16 @@ class BwdTile(NamedTuple):
     dq_writer: bool = False  # see `Sm90BwdConfig.dq_writer`
     overlap_dv: bool = False  # see `Sm90BwdConfig.overlap_dv`
     dk_after_dq: bool = False  # see `Sm90BwdConfig.dk_after_dq`
+    stats_early: bool = False  # see `Sm90BwdConfig.stats_early`
+    dq_fence_late: bool = False  # see `Sm90BwdConfig.dq_fence_late`
 
 
 # keyed by the padded head dim
 TILES = {
-    64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True),
-    96: BwdTile(64, 2, dq_writer=True, overlap_dv=True),
-    128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True),
+    64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True, stats_early=True,
+                dq_fence_late=True),
+    96: BwdTile(64, 2, dq_writer=True, overlap_dv=True, stats_early=True, dq_fence_late=True),
+    128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=True, dq_fence_late=True),
 }
 
 
@@ -105,6 +108,13 @@ class Sm90BwdConfig:
     # only 64 ships it; 96 compiles without serialization and passes the GPU tests with it, but
     # has not been timed.
     dk_after_dq: bool = False
+    # The query block's LSE rows read from shared memory into registers before the S^T GEMM is
+    # issued instead of next to their first use, so that P^T does not wait for the loads.
+    stats_early: bool = False
+    # With `dq_writer`: the fence and the arrival that hand a dQ tile to the writer warp come
+    # after the next block's S^T and dP^T are issued (or after the loop), so that the tile's
+    # stores drain meanwhile instead of holding up the warpgroup right after they are issued.
+    dq_fence_late: bool = False
 
     tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
@@ -117,6 +127,8 @@ class Sm90BwdConfig:
             raise ValueError(f"tile_m must be 64; got {self.tile_m}")
         if self.dq_split and self.head_dim not in (64, 128):
             raise ValueError(f"dq_split needs head dim 64 or 128; got {self.head_dim}")
+        if self.dq_fence_late and not self.dq_writer:
+            raise ValueError("dq_fence_late needs dq_writer")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
 
@@ -154,7 +166,7 @@ class Sm90BwdConfig:
     @property
     def name(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
-                             "dq_writer", "overlap_dv", "dk_after_dq") if getattr(self, f)]
+                             "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
         return "_".join(["bwd_sm90", self.dtype, hd, tile] + flags)
@@ -173,6 +185,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dq_writer", tile.dq_writer)
     flags.setdefault("overlap_dv", tile.overlap_dv and not flags.get("softcap", False))
     flags.setdefault("dk_after_dq", tile.dk_after_dq)
+    flags.setdefault("stats_early", tile.stats_early)
+    flags.setdefault("dq_fence_late", tile.dq_fence_late and flags["dq_writer"])
     return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
                          **flags)
 
@@ -199,6 +213,7 @@ def shipped_configs() -> list:
         make_config("bfloat16", 64, 64, causal=True, dq_split=False),
         make_config("bfloat16", 128, 128, causal=True, overlap_dv=False),
         make_config("bfloat16", 64, 64, dk_after_dq=False),
+        make_config("bfloat16", 128, 128, stats_early=False, dq_fence_late=False),
     ]
     return configs
 
