@@ -49,7 +49,7 @@ def test_sm90_bwd_refuses_a_headdim_of_v_that_differs_by_name():
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 17  # each one is compiled and audited
+    assert len(configs) <= 18  # each one is compiled and audited
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -59,13 +59,15 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
         if isinstance(getattr(base, f.name), bool):
             flipped = {f.name: not getattr(base, f.name)}
             if f.name == "dq_writer":
-                flipped["dq_fence_late"] = False  # which needs the writer
+                flipped["dq_fence_late"] = False  # which needs the writer (off here anyway)
             assert replace(base, **flipped).name != base.name, f.name
 
 
 def test_sm90_bwd_dq_fence_late_needs_the_writer_warp():
-    assert bc.make_config("bfloat16", 128, 128).dq_fence_late
-    assert not bc.make_config("bfloat16", 128, 128, dq_writer=False).dq_fence_late
+    assert bc.make_config("bfloat16", 64, 64).dq_fence_late
+    assert bc.make_config("bfloat16", 128, 128, causal=True).dq_fence_late
+    assert not bc.make_config("bfloat16", 128, 128).dq_fence_late
+    assert not bc.make_config("bfloat16", 128, 128, causal=True, dq_writer=False).dq_fence_late
     with pytest.raises(ValueError, match="dq_fence_late"):
         bc.make_config("bfloat16", 128, 128, dq_writer=False, dq_fence_late=True)
 

@@ -29,7 +29,7 @@ or below and is `STAT_ALIGN` rows longer (`stat_box`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..common.tiles import check_attention_config, pad_headdim
@@ -52,16 +52,19 @@ class BwdTile(NamedTuple):
     dq_writer: bool = False  # see `Sm90BwdConfig.dq_writer`
     overlap_dv: bool = False  # see `Sm90BwdConfig.overlap_dv`
     dk_after_dq: bool = False  # see `Sm90BwdConfig.dk_after_dq`
-    stats_early: bool = False  # see `Sm90BwdConfig.stats_early`
-    dq_fence_late: bool = False  # see `Sm90BwdConfig.dq_fence_late`
+    # see `Sm90BwdConfig.stats_early` / `.dq_fence_late`: the calls that get them, "plain" (no
+    # causal or window mask) and / or "masked"
+    stats_early: tuple = ()
+    dq_fence_late: tuple = ()
 
 
 # keyed by the padded head dim
 TILES = {
-    64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True, stats_early=True,
-                dq_fence_late=True),
-    96: BwdTile(64, 2, dq_writer=True, overlap_dv=True, stats_early=True, dq_fence_late=True),
-    128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=True, dq_fence_late=True),
+    64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True,
+                dq_fence_late=("plain", "masked")),
+    96: BwdTile(64, 2, dq_writer=True, overlap_dv=True),
+    128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain",),
+                 dq_fence_late=("masked",)),
 }
 
 
@@ -109,11 +112,17 @@ class Sm90BwdConfig:
     # has not been timed.
     dk_after_dq: bool = False
     # The query block's LSE rows read from shared memory into registers before the S^T GEMM is
-    # issued instead of next to their first use, so that P^T does not wait for the loads.
+    # issued instead of next to their first use, so that P^T does not wait for the loads. On an
+    # H200 (b2 x 4096, bf16, the backend's bwd under do_bench, best of 3) 1.306 -> 1.283 ms at
+    # head dim 128 (16 heads), causal 0.811 -> 0.808; at 64 (32 heads) 1.722 -> 1.865 ms, causal
+    # 0.994 -> 1.076, and with `dq_fence_late` slower than either alone: shipped at head dim 128
+    # without a causal or window mask only.
     stats_early: bool = False
     # With `dq_writer`: the fence and the arrival that hand a dQ tile to the writer warp come
     # after the next block's S^T and dP^T are issued (or after the loop), so that the tile's
     # stores drain meanwhile instead of holding up the warpgroup right after they are issued.
+    # Same measurements: 1.722 -> 1.687 ms at head dim 64, causal 0.994 -> 0.971; at 128 1.306 ->
+    # 1.328 ms, causal 0.811 -> 0.794: shipped at 64, and at 128 with a causal or window mask.
     dq_fence_late: bool = False
 
     tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
@@ -185,8 +194,9 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dq_writer", tile.dq_writer)
     flags.setdefault("overlap_dv", tile.overlap_dv and not flags.get("softcap", False))
     flags.setdefault("dk_after_dq", tile.dk_after_dq)
-    flags.setdefault("stats_early", tile.stats_early)
-    flags.setdefault("dq_fence_late", tile.dq_fence_late and flags["dq_writer"])
+    mode = "masked" if flags.get("causal", False) or flags.get("local", False) else "plain"
+    flags.setdefault("stats_early", mode in tile.stats_early)
+    flags.setdefault("dq_fence_late", mode in tile.dq_fence_late and flags["dq_writer"])
     return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
                          **flags)
 
@@ -200,12 +210,11 @@ def shipped_configs() -> list:
     """
     configs = [make_config(dtype, d, d, causal=causal)
                for d in TILE_HEADDIMS for dtype, causal in (("float16", False), ("bfloat16", True))]
-    base = make_config("bfloat16", 128, 128)
     configs += [
-        replace(base, local=True, softcap=True),
-        replace(base, causal=True, softcap=True),
-        replace(base, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
-        replace(base, local=True, varlen_q=True, varlen_k=True),
+        make_config("bfloat16", 128, 128, local=True, softcap=True),
+        make_config("bfloat16", 128, 128, causal=True, softcap=True),
+        make_config("bfloat16", 128, 128, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
+        make_config("bfloat16", 128, 128, local=True, varlen_q=True, varlen_k=True),
         make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True),
         # the dQ paths without the writer warp / the column split, for A/B
         make_config("bfloat16", 128, 128, causal=True, dq_writer=False),
@@ -213,7 +222,8 @@ def shipped_configs() -> list:
         make_config("bfloat16", 64, 64, causal=True, dq_split=False),
         make_config("bfloat16", 128, 128, causal=True, overlap_dv=False),
         make_config("bfloat16", 64, 64, dk_after_dq=False),
-        make_config("bfloat16", 128, 128, stats_early=False, dq_fence_late=False),
+        make_config("bfloat16", 128, 128, stats_early=False),
+        make_config("bfloat16", 128, 128, causal=True, stats_early=True, dq_fence_late=True),
     ]
     return configs
 
