@@ -47,6 +47,9 @@ formed in registers and dK/dV are written once, in the input dtype.
    `dq_writer` the producer warpgroup's second warp issues the reduce-adds: a consumer
    warpgroup writes its tile, arrives on a named barrier (DQ_FULL) and goes on, and waits
    (DQ_EMPTY) only if the previous reduce-add has not yet read the tile it is about to rewrite.
+   Two smaller ones, per head dim and mask (`bwd_config.py`): `stats_early` reads a block's
+   LSE into registers before its S^T GEMM is issued, and `dq_fence_late` hands a dQ tile to the
+   writer only after the next block's GEMMs are issued, so that the tile's stores drain meanwhile.
    The softmax scale is applied once: to dK here and to dQ in the postprocess.
    dK and dV start from their first query block's GEMMs, not from a zero fill: the compiler
    would hoist the zeros above the warp-role branch and spill them there.
