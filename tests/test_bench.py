@@ -351,3 +351,32 @@ def test_ab_sm90_fwd_times_distinct_schedules(head_dim, causal):
     assert len(set(configs)) == len(configs)
     assert ("grid" in labels) == configs[0].persistent
     assert ("stride" in labels) == configs[0].tile_counter
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_ab_sm90_bwd_times_the_shipped_backward_and_distinct_flag_flips(head_dim, causal):
+    """benchmarks/ab_sm90_bwd.py times what the backward ships first, then configurations that
+    each differ from it and from one another (a flip that would repeat one is left out)."""
+    import ab_sm90_bwd
+
+    from cute_flash.kernels.sm90.bwd_config import make_config
+
+    variants = ab_sm90_bwd.variants(head_dim, causal)
+    labels = [label for label, _ in variants]
+    configs = [config for _, config in variants]
+    assert labels[0] == "shipped" and configs[0] == make_config("bfloat16", head_dim, head_dim, causal=causal)
+    assert len(set(labels)) == len(labels) and len(set(configs)) == len(configs)
+    assert all(c.head_dim == head_dim and c.causal == causal for c in configs)
+    flipped = dict(variants)
+    assert flipped["stats_early"].stats_early != configs[0].stats_early
+    assert flipped["dq_fence_late"].dq_fence_late != configs[0].dq_fence_late
+    # the schedule before the two flags existed is among them
+    assert any(not c.stats_early and not c.dq_fence_late for c in configs)
+
+
+def test_ab_sm90_bwd_refuses_head_dims_it_has_no_tile_for():
+    import ab_sm90_bwd
+
+    with pytest.raises(SystemExit):
+        ab_sm90_bwd.main(["--head-dims", "96", "--compile-only"])

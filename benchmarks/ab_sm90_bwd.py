@@ -1,0 +1,200 @@
+"""A/B of the sm_90 backward kernel's schedule flags: the shipped configuration against each flag
+flipped, on an H100/H200.
+
+    python benchmarks/ab_sm90_bwd.py                      # GPU: check, then time every case
+    python benchmarks/ab_sm90_bwd.py --head-dims 64 --causal-only --rounds 3
+    python benchmarks/ab_sm90_bwd.py --compile-only       # CPU: registers, spills, serialization
+
+Cases: bf16, head dims 64 and 128, causal and not, batch x seqlen = 2 x 4096 with 2048 / head dim
+heads. Variants of each case (`kernels/sm90/bwd_config.py` says what each flag does):
+
+* `shipped`: the configuration `cute_flash.attention`'s backward runs (`make_config`);
+* one variant per schedule flag that the case can flip: `stats_early`, `dq_fence_late` (with the
+  dQ writer warp), `overlap_dv`, `dk_after_dq` (where it is on: at head dim 128 turning it on
+  serializes the WGMMAs), `dq_writer` (off, with `dq_fence_late` off too) and `dq_split` (off);
+* `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
+
+Every variant runs between the same preprocess and postprocess kernels (`backward_sm90` with the
+call's configurations, its main kernel swapped). A variant is first checked against the float32
+reference backward (dq, dk and dv by the benchmark's tolerance rule) on 2 x 333 queries over 1001
+keys (causal: 1001 over 333, so that rows see no key) with 4 heads; a wrong variant is reported
+and not timed. Then each round times every variant once with `triton.testing.do_bench` (median of
+80 ms), so that slow drifts of the GPU's clock spread over all of them. One line per case: the
+milliseconds of each variant in every round and the backward's TFLOP/s (2.5 times the forward's
+4·b·h·s²·d, halved when causal) at the shipped variant's best round.
+
+The compile-only mode builds every variant for sm_90a and prints registers, spills and whether
+ptxas serialized the WGMMAs (its C7512 / C7514 remarks), which a GPU timing would only show as a
+slowdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+HEAD_DIMS = (64, 128)
+
+
+def variants(head_dim: int, causal: bool) -> list:
+    """(label, main kernel config) of the backward variants of one case, the shipped one first."""
+    from cute_flash.kernels.sm90.bwd_config import make_config
+
+    shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
+    flips = [("stats_early", {"stats_early": not shipped.stats_early})]
+    if shipped.dq_writer:
+        flips.append(("dq_fence_late", {"dq_fence_late": not shipped.dq_fence_late}))
+        flips.append(("no dq_writer", {"dq_writer": False, "dq_fence_late": False}))
+    flips.append(("overlap_dv", {"overlap_dv": not shipped.overlap_dv}))
+    if shipped.dk_after_dq:
+        flips.append(("no dk_after_dq", {"dk_after_dq": False}))
+    if shipped.dq_split:
+        flips.append(("no dq_split", {"dq_split": False}))
+    flips.append(("before", {"stats_early": False, "dq_fence_late": False}))
+    out, seen = [("shipped", shipped)], {shipped}
+    for label, change in flips:
+        config = replace(shipped, **change)
+        if config not in seen:  # e.g. `before` where neither flag ships
+            out.append((label, config))
+            seen.add(config)
+    return out
+
+
+def compile_only(cases) -> None:
+    import tempfile
+
+    from cute_flash.audit import AuditTarget, audit_target
+    from cute_flash.kernels.sm90.bwd_config import compile_kernel
+
+    for d, causal in cases:
+        cells = []
+        for label, config in variants(d, causal):
+            with tempfile.TemporaryDirectory() as keep:
+                target = AuditTarget(config.name, "sm_90a", lambda opts, c=config: compile_kernel(c, opts))
+                row = audit_target(target, keep_dir=Path(keep))
+                remarks = Path(keep, config.name, "remarks.yaml")
+                serialized = remarks.exists() and "instructions are serialized" in remarks.read_text()
+            state = row.error or ("SPILLS" if row.spills else "SERIALIZED" if serialized else "ok")
+            cells.append(f"{label} {row.registers} regs spill {row.spill_stores or 0}/{row.spill_loads or 0} {state}")
+        print(f"hd{d:<3} {'causal' if causal else 'full  '}  " + " | ".join(cells), flush=True)
+
+
+def check(run, d: int, causal: bool, attn_args, dtype) -> str | None:
+    """None if `run` (a backward of the given configuration) matches the float32 reference
+    backward on a small problem, else what went wrong."""
+    import torch
+
+    from bench_lib import within_tolerance
+    from cute_flash.backends.reference import reference_attention, reference_attention_backward
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sq, sk = (1001, 333) if causal else (333, 1001)
+    q = torch.randn(2, sq, 4, d, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(2, sk, 4, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    args = attn_args()
+    out, lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out = out.to(dtype)
+    dout = torch.randn(out.shape, device="cuda", generator=g).to(dtype)
+    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
+    run(dout, q, k, v, out, lse, grads, args)
+    torch.cuda.synchronize()
+    refs = reference_attention_backward(dout, q, k, v, out, lse, None, args, compute_dtype=torch.float32)
+    # the same attention in plain torch in `dtype`, forward included, sets the tolerance
+    out_t, lse_t = reference_attention(q, k, v, args, compute_dtype=dtype)
+    refs_torch = reference_attention_backward(dout, q, k, v, out_t, lse_t, None, args, compute_dtype=dtype)
+    for name, got, ref, ref_torch in zip(("dq", "dk", "dv"), grads, refs, refs_torch):
+        passed, err, bound = within_tolerance(got, ref, ref_torch, dtype)
+        if not passed:
+            return f"{name} error {err:.3g} > {bound:.3g}"
+    return None
+
+
+def on_gpu(cases, opts) -> None:
+    import torch
+    from triton.testing import do_bench
+
+    import cute_flash
+    from cute_flash.backends import get_backend
+    from cute_flash.backends.base import AttnArgs
+    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+
+    backend = get_backend("cute-sm90")
+    dtype = torch.bfloat16
+    b, s = opts.batch, opts.seqlen
+    print(f"sm_90 backward A/B, bf16, batch {b} x seqlen {s}; ms of each round (do_bench median)")
+    for d, causal in cases:
+        h = 2048 // d
+        flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+
+        def attn_args(d=d, causal=causal):
+            return AttnArgs(softmax_scale=d ** -0.5, causal=causal, window_right=0 if causal else -1)
+
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda", generator=gen) for _ in range(3))
+        out, lse = cute_flash.attention(q, k, v, causal=causal, return_lse=True)
+        dout = torch.randn(out.shape, dtype=dtype, device="cuda", generator=gen)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        runs, cells = {}, {}
+        for label, config in variants(d, causal):
+
+            def run(dout_, q_, k_, v_, out_, lse_, g_, a_, config=config):
+                pre, _, post = sm90_configs(q_, k_, v_, None, a_)
+                backward_sm90(backend, dout_, q_, k_, v_, out_, lse_, None, *g_, a_, False, (pre, config, post))
+
+            try:
+                wrong = check(run, d, causal, attn_args, dtype)
+            except Exception as exc:  # one broken variant must not hide the others
+                wrong = f"FAILED ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+            if wrong:
+                cells[label] = f"WRONG ({wrong})"
+            else:
+                runs[label] = run
+        times = {label: [] for label in runs}
+        for _ in range(opts.rounds):
+            for label, run in runs.items():
+                times[label].append(do_bench(lambda: run(dout, q, k, v, out, lse, grads, attn_args()), rep=80))
+        for label, ms in times.items():
+            cells[label] = "/".join(f"{t:.3f}" for t in ms)
+        line = " | ".join(f"{label} {cell}" for label, cell in cells.items())
+        if "shipped" in times:
+            line += f" | shipped {flops / min(times['shipped']) * 1e-9:.0f} TFLOP/s"
+        print(f"hd{d:<3} {'causal' if causal else 'full  '} h{h:<2} | {line}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dims", type=lambda s: [int(x) for x in s.split(",")], default=list(HEAD_DIMS))
+    p.add_argument("--causal-only", action="store_true")
+    p.add_argument("--full-only", action="store_true", help="non-causal cases only")
+    p.add_argument("--compile-only", action="store_true", help="registers, spills and serialization only (no GPU)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=2)
+    opts = p.parse_args(argv)
+    for d in opts.head_dims:
+        if d not in HEAD_DIMS:
+            p.error(f"--head-dims: {d} is not one of {HEAD_DIMS}")
+    if opts.rounds < 1:
+        p.error("--rounds must be at least 1")
+    causal_modes = [True] if opts.causal_only else [False] if opts.full_only else [False, True]
+    cases = [(d, causal) for d in opts.head_dims for causal in causal_modes]
+    if opts.compile_only:
+        compile_only(cases)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("needs an sm_90 GPU (H100/H200); --compile-only runs anywhere", file=sys.stderr)
+        return 2
+    on_gpu(cases, opts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
