@@ -243,9 +243,7 @@ def fake_arguments(config: Sm90FwdConfig) -> tuple:
     16-byte strides that `fake_tokens` promises)."""
     import cutlass
 
-    from ..common.fake_tensors import fake_forward_arguments
-
-    from ..common.fake_tensors import fake_tensor
+    from ..common.fake_tensors import fake_forward_arguments, fake_tensor
 
     # + the persistent grid's size, the tile order and the tile counter (`FlashFwdSm90.__call__`)
     counter = fake_tensor(cutlass.Int32, 1) if config.tile_counter else None
