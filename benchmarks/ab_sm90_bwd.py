@@ -168,22 +168,15 @@ def on_gpu(cases, opts) -> None:
 
 
 def main(argv=None) -> int:
+    from bench_lib import ab_cases, add_ab_case_arguments
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head-dims", type=lambda s: [int(x) for x in s.split(",")], default=list(HEAD_DIMS))
-    p.add_argument("--causal-only", action="store_true")
-    p.add_argument("--full-only", action="store_true", help="non-causal cases only")
-    p.add_argument("--compile-only", action="store_true", help="registers, spills and serialization only (no GPU)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seqlen", type=int, default=4096)
+    add_ab_case_arguments(p, HEAD_DIMS, 4096, "registers, spills and serialization only (no GPU)")
     p.add_argument("--rounds", type=int, default=2)
     opts = p.parse_args(argv)
-    for d in opts.head_dims:
-        if d not in HEAD_DIMS:
-            p.error(f"--head-dims: {d} is not one of {HEAD_DIMS}")
+    cases = ab_cases(p, opts, HEAD_DIMS)
     if opts.rounds < 1:
         p.error("--rounds must be at least 1")
-    causal_modes = [True] if opts.causal_only else [False] if opts.full_only else [False, True]
-    cases = [(d, causal) for d in opts.head_dims for causal in causal_modes]
     if opts.compile_only:
         compile_only(cases)
         return 0

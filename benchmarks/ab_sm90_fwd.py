@@ -188,23 +188,12 @@ def on_gpu(cases, args) -> None:
 
 
 def main(argv=None) -> int:
+    from bench_lib import ab_cases, add_ab_case_arguments
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head-dims", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256])
-    p.add_argument("--causal-only", action="store_true")
-    p.add_argument("--full-only", action="store_true", help="non-causal cases only")
-    p.add_argument("--compile-only", action="store_true", help="registers and spills only (no GPU needed)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seqlen", type=int, default=8192)
+    add_ab_case_arguments(p, tuple(HEADS), 8192, "registers and spills only (no GPU needed)")
     args = p.parse_args(argv)
-    for d in args.head_dims:
-        if d not in HEADS:
-            p.error(f"--head-dims: {d} is not one of {tuple(HEADS)}")
-    masks = [False, True]
-    if args.causal_only:
-        masks = [True]
-    elif args.full_only:
-        masks = [False]
-    cases = [(d, causal) for d in args.head_dims for causal in masks]
+    cases = ab_cases(p, args, tuple(HEADS))
     if args.compile_only:
         compile_only(cases)
     else:

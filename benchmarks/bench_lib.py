@@ -42,6 +42,27 @@ def parse_sizes(text: str) -> tuple:
     return tuple(parse_size(t) for t in text.split(",") if t.strip())
 
 
+def add_ab_case_arguments(parser, head_dims: Sequence[int], seqlen: int, compile_help: str) -> None:
+    """The case options the A/B scripts (`ab_sm90_fwd.py`, `ab_sm90_bwd.py`) share: head dims,
+    causal or non-causal cases only, compile only, batch and sequence length."""
+    parser.add_argument("--head-dims", type=lambda s: [int(x) for x in s.split(",")], default=list(head_dims))
+    parser.add_argument("--causal-only", action="store_true")
+    parser.add_argument("--full-only", action="store_true", help="non-causal cases only")
+    parser.add_argument("--compile-only", action="store_true", help=compile_help)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seqlen", type=int, default=seqlen)
+
+
+def ab_cases(parser, opts, head_dims: Sequence[int]) -> list:
+    """(head dim, causal) of every case `add_ab_case_arguments`' options ask for; a head dim
+    outside `head_dims` is a usage error."""
+    for d in opts.head_dims:
+        if d not in head_dims:
+            parser.error(f"--head-dims: {d} is not one of {tuple(head_dims)}")
+    masks = [True] if opts.causal_only else [False] if opts.full_only else [False, True]
+    return [(d, causal) for d in opts.head_dims for causal in masks]
+
+
 def format_size(n: int) -> str:
     """16384 -> '16k', 1000 -> '1000'."""
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)

@@ -380,3 +380,17 @@ def test_ab_sm90_bwd_refuses_head_dims_it_has_no_tile_for():
 
     with pytest.raises(SystemExit):
         ab_sm90_bwd.main(["--head-dims", "80", "--compile-only"])
+
+
+def test_ab_scripts_share_their_case_options():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bl.add_ab_case_arguments(p, (64, 128), 4096, "compile only")
+    opts = p.parse_args([])
+    assert (opts.head_dims, opts.batch, opts.seqlen, opts.compile_only) == ([64, 128], 2, 4096, False)
+    assert bl.ab_cases(p, opts, (64, 128)) == [(64, False), (64, True), (128, False), (128, True)]
+    assert bl.ab_cases(p, p.parse_args(["--head-dims", "128", "--causal-only"]), (64, 128)) == [(128, True)]
+    assert bl.ab_cases(p, p.parse_args(["--full-only"]), (64, 128)) == [(64, False), (128, False)]
+    with pytest.raises(SystemExit):
+        bl.ab_cases(p, p.parse_args(["--head-dims", "96"]), (64, 128))
