@@ -111,13 +111,23 @@ def test_launch_extra_gives_every_sm90_kernel_its_scheduling_arguments(monkeypat
     config = fc.make_config("bfloat16", 128, 128)
     extra = backend.launch_extra(config, q, q, AttnArgs(0.1), Args())
     assert extra == tuple(("i32", x) for x in persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132)) + (None,)
-    # a causal persistent call gets a zeroed counter of its own, a new one every call
+    # a causal persistent call gets its stream's zeroed counter (the kernel zeroes it again)
     counted = fc.make_config("bfloat16", 128, 128, causal=True)
+    stream = {"handle": 1}
+    monkeypatch.setattr(cute_backend, "_capturing", lambda: False)
+    monkeypatch.setattr(cute_backend, "_stream_key", lambda device: (0, stream["handle"]))
     first = backend.launch_extra(counted, q, q, causal, Args())
     second = backend.launch_extra(counted, q, q, causal, Args())
     assert first[:2] == tuple(("i32", x) for x in persistent_schedule(counted, q, q, causal, num_sms=132))
     assert first[2].dtype == torch.int32 and first[2].tolist() == [0]
-    assert first[2].data_ptr() != second[2].data_ptr()
+    assert first[2] is second[2]  # one stream, one counter
+    stream["handle"] = 2
+    other = backend.launch_extra(counted, q, q, causal, Args())[2]
+    assert other is not first[2] and other.tolist() == [0]  # another stream, its own
+    # while a graph is captured every call takes a new counter, zeroed by the graph on replay
+    monkeypatch.setattr(cute_backend, "_capturing", lambda: True)
+    captured = [backend.launch_extra(counted, q, q, causal, Args())[2] for _ in range(2)]
+    assert captured[0] is not captured[1] and all(c is not first[2] and c.tolist() == [0] for c in captured)
 
 
 def _recording_backend(backend, monkeypatch):

@@ -256,6 +256,20 @@ def kernel_flags(args: AttnArgs) -> dict:
     )
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _stream_key(device: torch.device) -> tuple:
+    """(device index, handle of the device's current stream); (device type, 0) off CUDA, where
+    only the launch-argument tests build launches."""
+    if device.type != "cuda":
+        return device.type, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, torch.cuda.current_stream(index).cuda_stream
+
+
 def _as_cute(t: Optional[torch.Tensor], align: int):
     if t is None:
         return None
@@ -279,6 +293,7 @@ class _CuteBackend(Backend):
     def __init__(self):
         self.cache = KernelCache(self.config_module, self.sources)
         self._reasons: dict = {}  # device index -> `unavailable_reason`
+        self._tile_counters: dict = {}  # (device index, stream handle) -> `tile_counter`'s tensor
 
     def _gpu_reason(self) -> Optional[str]:
         """Why this GPU cannot run the kernels, or None."""
@@ -494,12 +509,28 @@ class CuteSm90Backend(_CuteBackend):
     def launch_extra(self, config, q, k, args: AttnArgs, a: KernelArgs) -> tuple:
         """The persistent grid's size (ignored by the one-CTA-per-tile kernels, which take it all
         the same), the tile order's section (`persistent_schedule`, `heads_per_section`) and,
-        with `tile_counter`, a zeroed int32 counter of this call's own (None otherwise), so that calls
-        on other streams never share one (a captured graph zeroes its counter on every replay)."""
+        with `tile_counter`, a zeroed int32 tile counter (`tile_counter`; None otherwise)."""
         if not getattr(config, "persistent", False):
             return (a.i32(1), a.i32(heads_per_section(config, q, k, args)), None)
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config.tile_counter else None
+        counter = self.tile_counter(q.device) if config.tile_counter else None
         return tuple(a.i32(x) for x in persistent_schedule(config, q, k, args)) + (a.tensor(counter, 4),)
+
+    def tile_counter(self, device: torch.device) -> torch.Tensor:
+        """The zeroed int32 tile counter of a `tile_counter` launch on the current stream.
+
+        The kernel's last atomic add sets the counter back to 0, so one counter per (device,
+        stream) serves every call queued on that stream, one after the other, with no fill
+        before each; calls on other streams run at the same time and take counters of their
+        own. While a CUDA graph is being captured a call takes a new one instead, zeroed by a
+        node of the graph on every replay: graphs captured on one stream may be replayed on
+        several at once."""
+        if _capturing():
+            return torch.zeros(1, dtype=torch.int32, device=device)
+        key = _stream_key(device)
+        counter = self._tile_counters.get(key)
+        if counter is None:
+            counter = self._tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        return counter
 
     def fwd(self, q, k, v, out, lse, args: AttnArgs, workspace: Optional[tuple] = None) -> None:
         if (args.page_table is not None or args.num_splits > 1

@@ -273,8 +273,8 @@ def test_sm90_fwd_causal_schedules_cover_every_tile(d, seqlen_q, seqlen_k, sched
 
 
 def test_sm90_fwd_tile_counters_of_concurrent_calls_are_their_own():
-    """Causal calls queued back to back on two streams, each with its own zeroed tile counter,
-    give the results of one call alone: no call takes or skips the other's tiles."""
+    """Causal calls queued back to back on two streams, each stream with its own tile counter,
+    give the results of one call alone: no call takes or skips another's tiles."""
     backend = _backend()
     torch.manual_seed(5)
     q, k, v = _qkv(4, 1024, 1024, 16, 16, 128, 128, torch.bfloat16)
@@ -291,6 +291,28 @@ def test_sm90_fwd_tile_counters_of_concurrent_calls_are_their_own():
     torch.cuda.synchronize()
     for out in outs:
         assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_sm90_fwd_tile_counter_is_back_at_zero_after_every_call(d):
+    """A stream's tile counter serves every causal call queued on it: the kernel's last add sets
+    it back to 0, so calls of different sizes back to back each take every tile of their own."""
+    backend = _backend()
+    torch.manual_seed(d)
+    shapes = [(2, 1500, 1500, 16, 8), (1, 333, 1001, 8, 8), (3, 1001, 1001, 24, 8), (2, 1500, 1500, 16, 8)]
+    outs = []
+    for b, sq, sk, h, hk in shapes:
+        q, k, v = _qkv(b, sq, sk, h, hk, d, d, torch.bfloat16)
+        args = _args(d, True)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device="cuda")
+        assert backend.config(q, k, v, lse, args).tile_counter
+        backend.fwd(q, k, v, out, lse, args)
+        outs.append((out, lse, q, k, v, args))
+    torch.cuda.synchronize()
+    assert backend._tile_counters and all(c.item() == 0 for c in backend._tile_counters.values())
+    for out, lse, q, k, v, args in outs:
+        check_forward(out, lse, q, k, v, args)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -46,7 +46,9 @@ work than others: such a configuration (`tile_counter`) takes its first tile fro
 and every later one from a global counter (one atomic add by the producer warp, issued while
 it loads the current tile), longest first in `tile_coords`' order, so a CTA that finishes
 early takes the next tile, as the hardware's grid scheduler would. The producer hands each
-tile index to the consumers through shared memory between two named barriers.
+tile index to the consumers through shared memory between two named barriers. The call's last
+add sets the counter back to 0 (`reset_counter_after_last_add`), so one counter per stream
+serves every call (`CuteSm90Backend.tile_counter`).
 """
 
 from __future__ import annotations
@@ -402,6 +404,7 @@ class FlashFwdSm90:
                         # taken now, read after this tile's loads: the atomic's latency hides behind them
                         taken = self.take_tile(mTileCounter)
                         q_state, kv_state = self.load_persistent_tile(tile, tile_args, load_args, q_state, kv_state)
+                        self.reset_counter_after_last_add(mTileCounter, taken, num_tiles - 1)
                         next_tile = cute.arch.shuffle_sync(taken, 0) + tile_step
                         cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=handover_threads)
                         sNextTile[0] = next_tile
@@ -446,6 +449,19 @@ class FlashFwdSm90:
         if cute.arch.lane_idx() == 0:
             taken = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu")
         return taken
+
+    @cute.jit
+    def reset_counter_after_last_add(self, mTileCounter: cute.Tensor, taken, last):
+        """Lane 0 sets the tile counter back to 0 if its add (`taken`) was the call's last.
+
+        Every tile a CTA works on costs it exactly one add (its last tile's add hands out none),
+        so a call makes num_tiles adds in all, which return 0, 1, ..., num_tiles - 1 in the order
+        the counter takes them: the add that returned `last` (num_tiles - 1) was the call's last,
+        and after it the counter is the next call's on the stream. Called after the tile's
+        loads, like the read of `taken`, so that no load waits for the atomic."""
+        if cute.arch.lane_idx() == 0:
+            if taken == last:
+                cute.arch.atomic_exch(mTileCounter.iterator, Int32(0), sem="relaxed", scope="gpu")
 
     @cute.jit
     def load_persistent_tile(self, tile, tile_args, load_args, q_state, kv_state):
