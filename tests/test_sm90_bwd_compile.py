@@ -60,7 +60,17 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
             flipped = {f.name: not getattr(base, f.name)}
             if f.name == "dq_writer":
                 flipped["dq_fence_late"] = False  # which needs the writer (off here anyway)
+            if f.name == "dk_after_dq":
+                flipped["dk_behind_dq"] = False  # the two exclude each other
             assert replace(base, **flipped).name != base.name, f.name
+
+
+def test_sm90_bwd_dk_behind_dq_where_dk_is_not_carried_after_dq():
+    assert bc.make_config("bfloat16", 128, 128).dk_behind_dq
+    assert bc.make_config("bfloat16", 96, 96, causal=True).dk_behind_dq
+    assert not bc.make_config("bfloat16", 64, 64).dk_behind_dq  # dk_after_dq there
+    with pytest.raises(ValueError, match="dk_behind_dq"):
+        bc.make_config("bfloat16", 64, 64, dk_behind_dq=True)
 
 
 def test_sm90_bwd_dq_fence_late_needs_the_writer_warp():

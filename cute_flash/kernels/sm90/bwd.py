@@ -588,7 +588,7 @@ class FlashBwdSm90:
                     for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                         acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
                 rdS.store(acc_dP.load().to(self.dtype))
-                if cutlass.const_expr(not cfg.dk_after_dq):
+                if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq):
                     gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
 
                 # dS^T of this warpgroup's keys -> shared memory -> dQ partial
@@ -607,13 +607,14 @@ class FlashBwdSm90:
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
                 acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.tile_m, cfg.dq_cols)), Float32)
                 gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
-                if cutlass.const_expr(cfg.dk_after_dq):
+                if cutlass.const_expr(cfg.dk_after_dq or cfg.dk_behind_dq):
                     gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
                     warpgroup.wait_group(1)  # dQ (and dV) in; the end of every read of sdS
                 else:
                     warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
                     pipeline_q.consumer_release(state)
-                state.advance()
+                if cutlass.const_expr(not cfg.dk_behind_dq):
+                    state.advance()
 
                 if cutlass.const_expr(cfg.dq_writer):
                     if it > 0:  # the writer warp's last reduce-add from sdQ_wg has read it
@@ -627,6 +628,10 @@ class FlashBwdSm90:
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
                     if dq_warp:
                         self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg, seqlen, batch, head, m_block, wg_idx)
+                if cutlass.const_expr(cfg.dk_behind_dq):
+                    warpgroup.wait_group(0)  # dK in: the end of every read of this stage
+                    pipeline_q.consumer_release(state)
+                    state.advance()
             if cutlass.const_expr(cfg.dq_fence_late):
                 self.hand_over_dq(wg_idx)  # the last block's dQ tile
             if cutlass.const_expr(cfg.dk_after_dq):

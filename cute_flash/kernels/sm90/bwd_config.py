@@ -56,15 +56,16 @@ class BwdTile(NamedTuple):
     # causal or window mask) and / or "masked"
     stats_early: tuple = ()
     dq_fence_late: tuple = ()
+    dk_behind_dq: bool = False  # see `Sm90BwdConfig.dk_behind_dq`
 
 
 # keyed by the padded head dim
 TILES = {
     64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True,
                 dq_fence_late=("plain", "masked")),
-    96: BwdTile(64, 2, dq_writer=True, overlap_dv=True),
+    96: BwdTile(64, 2, dq_writer=True, overlap_dv=True, dk_behind_dq=True),
     128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain",),
-                 dq_fence_late=("masked",)),
+                 dq_fence_late=("masked",), dk_behind_dq=True),
 }
 
 
@@ -124,6 +125,11 @@ class Sm90BwdConfig:
     # Same measurements: 1.722 -> 1.687 ms at head dim 64, causal 0.994 -> 0.971; at 128 1.306 ->
     # 1.328 ms, causal 0.811 -> 0.794: shipped at 64, and at 128 with a causal or window mask.
     dq_fence_late: bool = False
+    # Without `dk_after_dq`: dK += dS^T Q issued after the dQ GEMM instead of before dS^T goes to
+    # shared memory, and waited for at the end of the block: the dQ GEMM's wait no longer waits
+    # for dK too, and the dQ tile goes to shared memory while dK's GEMM runs. (The stmatrix of
+    # dS^T then also comes before any GEMM that reads the same registers.)
+    dk_behind_dq: bool = False
 
     tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
@@ -136,6 +142,8 @@ class Sm90BwdConfig:
             raise ValueError(f"tile_m must be 64; got {self.tile_m}")
         if self.dq_split and self.head_dim not in (64, 128):
             raise ValueError(f"dq_split needs head dim 64 or 128; got {self.head_dim}")
+        if self.dk_behind_dq and self.dk_after_dq:
+            raise ValueError("dk_behind_dq and dk_after_dq exclude each other")
         if self.dq_fence_late and not self.dq_writer:
             raise ValueError("dq_fence_late needs dq_writer")
         if self.smem_bytes > SMEM_LIMIT:
@@ -175,7 +183,8 @@ class Sm90BwdConfig:
     @property
     def name(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
-                             "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late") if getattr(self, f)]
+                             "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
+                             "dk_behind_dq") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
         return "_".join(["bwd_sm90", self.dtype, hd, tile] + flags)
@@ -197,6 +206,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     mode = "masked" if flags.get("causal", False) or flags.get("local", False) else "plain"
     flags.setdefault("stats_early", mode in tile.stats_early)
     flags.setdefault("dq_fence_late", mode in tile.dq_fence_late and flags["dq_writer"])
+    flags.setdefault("dk_behind_dq", tile.dk_behind_dq and not flags["dk_after_dq"])
     return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
                          **flags)
 
