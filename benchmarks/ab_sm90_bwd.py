@@ -11,7 +11,8 @@ dim heads (21 at 96). Variants of each case (`kernels/sm90/bwd_config.py` says w
 * `shipped`: the configuration `cute_flash.attention`'s backward runs (`make_config`);
 * one variant per schedule flag that the case can flip: `stats_early`, `dq_fence_late` (with the
   dQ writer warp), `overlap_dv`, `dk_after_dq` (where it is on: at head dim 128 turning it on
-  serializes the WGMMAs) or else `dk_behind_dq`, `dq_writer` (off, with `dq_fence_late` off too) and `dq_split` (off);
+  serializes the WGMMAs) or else `dk_behind_dq`, `dq_writer` (off, with `dq_fence_late` off and one
+  dQ tile), `dq_stages` (1 where 2 ship) and `dq_split` (off);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the same preprocess and postprocess kernels (`backward_sm90` with the
@@ -50,7 +51,9 @@ def variants(head_dim: int, causal: bool) -> list:
     flips = [("stats_early", {"stats_early": not shipped.stats_early})]
     if shipped.dq_writer:
         flips.append(("dq_fence_late", {"dq_fence_late": not shipped.dq_fence_late}))
-        flips.append(("no dq_writer", {"dq_writer": False, "dq_fence_late": False}))
+        flips.append(("no dq_writer", {"dq_writer": False, "dq_fence_late": False, "dq_stages": 1}))
+    if shipped.dq_stages > 1:
+        flips.append(("one dQ tile", {"dq_stages": 1}))
     flips.append(("overlap_dv", {"overlap_dv": not shipped.overlap_dv}))
     if shipped.dk_after_dq:
         flips.append(("no dk_after_dq", {"dk_after_dq": False}))

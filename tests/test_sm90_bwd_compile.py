@@ -73,6 +73,18 @@ def test_sm90_bwd_dk_behind_dq_where_dk_is_not_carried_after_dq():
         bc.make_config("bfloat16", 64, 64, dk_behind_dq=True)
 
 
+def test_sm90_bwd_two_dq_tiles_at_head_dims_64_and_96_with_the_writer_warp():
+    assert bc.make_config("bfloat16", 64, 64).dq_stages == 2
+    assert bc.make_config("bfloat16", 96, 96, causal=True).dq_stages == 2
+    assert bc.make_config("bfloat16", 128, 128).dq_stages == 1
+    assert bc.make_config("bfloat16", 64, 64, dq_writer=False).dq_stages == 1
+    with pytest.raises(ValueError, match="dq_stages"):
+        bc.make_config("bfloat16", 64, 64, dq_writer=False, dq_stages=2)
+    # the second pair of fp32 tiles: 2 warpgroups x 64 rows x 32 columns at head dim 64
+    one, two = bc.make_config("bfloat16", 64, 64, dq_stages=1), bc.make_config("bfloat16", 64, 64)
+    assert two.smem_bytes - one.smem_bytes == 4 * 2 * 64 * 32
+
+
 def test_sm90_bwd_dq_fence_late_needs_the_writer_warp():
     assert bc.make_config("bfloat16", 64, 64).dq_fence_late
     assert bc.make_config("bfloat16", 128, 128, causal=True).dq_fence_late

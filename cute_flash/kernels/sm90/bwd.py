@@ -95,9 +95,9 @@ BARRIER_WG = 1
 BARRIER_BOTH = BARRIER_WG + NUM_CONSUMER_WGS
 # Named barriers between a consumer warpgroup (+ its index) and the dQ writer warp (`dq_writer`):
 # its dQ tile is written (consumers arrive, the writer waits) / read by the last reduce-add (the
-# writer arrives, consumers wait).
+# writer arrives, consumers wait). With `dq_stages` = 2, one of each per warpgroup and tile, the
+# EMPTY ones after the four FULL ones (`FlashBwdSm90.dq_barrier`).
 BARRIER_DQ_FULL = BARRIER_BOTH + 1
-BARRIER_DQ_EMPTY = BARRIER_DQ_FULL + NUM_CONSUMER_WGS
 
 
 def step_coords(it, head_k, group, m_block_min, m_steps):
@@ -127,6 +127,8 @@ class FlashBwdSm90:
         self.cfg = config
         self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
         self.num_consumer_threads = 128 * NUM_CONSUMER_WGS
+        # the EMPTY barriers of the dQ tiles follow their FULL ones
+        self.barrier_dq_empty = BARRIER_DQ_FULL + NUM_CONSUMER_WGS * config.dq_stages
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -165,6 +167,9 @@ class FlashBwdSm90:
         sStat_layout = cute.make_layout((cfg.stat_box, cfg.num_stages), stride=(1, cfg.stat_stage_stride))
         # one fp32 dQ partial per consumer warpgroup, the source of its TMA reduce-add
         sdQ_layout = wgmma_smem_layout_tile(Float32, cfg.tile_m, cfg.dq_cols, NUM_CONSUMER_WGS)
+        if cutlass.const_expr(cfg.dq_stages > 1):  # (rows, cols, warpgroup, stage)
+            sdQ_layout = cute.tile_to_shape(wgmma_smem_layout_atom(Float32, cfg.dq_cols),
+                                            (cfg.tile_m, cfg.dq_cols, NUM_CONSUMER_WGS, cfg.dq_stages), (0, 1, 2, 3))
 
         @cute.struct
         class SharedStorage:
@@ -401,16 +406,22 @@ class FlashBwdSm90:
     def write_dq(self, tma_dQ, tma_mdQ, sdQ, seqlen: SeqlenInfo, head_k, batch, group, m_block_min, m_steps):
         """The dQ writer warp (`dq_writer`): for every query block, in the consumers' order, each
         warpgroup's dQ tile goes to dQaccum by a TMA reduce-add as soon as it is written."""
+        cfg = self.cfg
         writer_and_wg = 32 + 128
         steps = m_steps * group
         for it in cutlass.range(steps, unroll=1):
             head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
+            buf = it % cfg.dq_stages
             for w in cutlass.range_constexpr(NUM_CONSUMER_WGS):
-                cute.arch.barrier(barrier_id=BARRIER_DQ_FULL + w, number_of_threads=writer_and_wg)
-                self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w], seqlen, batch, head, m_block, w)
+                cute.arch.barrier(barrier_id=self.dq_barrier(BARRIER_DQ_FULL, w, buf), number_of_threads=writer_and_wg)
+                if cutlass.const_expr(cfg.dq_stages > 1):
+                    self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w, buf], seqlen, batch, head, m_block, w)
+                else:
+                    self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w], seqlen, batch, head, m_block, w)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-                if it + 1 < steps:  # the warpgroup writes its next tile only after this
-                    cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_EMPTY + w, number_of_threads=writer_and_wg)
+                if it + cfg.dq_stages < steps:  # the warpgroup writes this tile again only after this
+                    cute.arch.barrier_arrive(barrier_id=self.dq_barrier(self.barrier_dq_empty, w, buf),
+                                             number_of_threads=writer_and_wg)
         cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
 
     @cute.jit
@@ -481,7 +492,10 @@ class FlashBwdSm90:
         tdSsdS = stsm_dS.partition_D(sdS)  # (..., ds_stages)
         # this warpgroup's fp32 dQ partial -> its shared-memory tile (pairs of floats), which it
         # then adds to dQaccum in global memory with a TMA reduce-add
-        sdQ_wg = sdQ[None, None, wg_idx]
+        if cutlass.const_expr(cfg.dq_stages > 1):
+            sdQ_wg = sdQ[None, None, wg_idx, None]  # (rows, cols, stage)
+        else:
+            sdQ_wg = sdQ[None, None, wg_idx]
         r2s_dQ = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ
         ).get_slice(ctidx % 128)
@@ -545,7 +559,7 @@ class FlashBwdSm90:
                     gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
                 if cutlass.const_expr(cfg.dq_fence_late):
                     if it > 0:  # the previous block's dQ tile is stored: hand it to the writer warp
-                        self.hand_over_dq(wg_idx)
+                        self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
                 warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
                 if cutlass.const_expr(cfg.dk_after_dq):
                     if it > 0:  # the previous block's dK GEMM, the last reader of its stage, is done
@@ -617,11 +631,16 @@ class FlashBwdSm90:
                     state.advance()
 
                 if cutlass.const_expr(cfg.dq_writer):
-                    if it > 0:  # the writer warp's last reduce-add from sdQ_wg has read it
-                        cute.arch.barrier(barrier_id=BARRIER_DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
-                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+                    buf = it % cfg.dq_stages
+                    if it >= cfg.dq_stages:  # the writer warp's last reduce-add from this tile has read it
+                        cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf),
+                                          number_of_threads=128 + 32)
+                    if cutlass.const_expr(cfg.dq_stages > 1):
+                        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
+                    else:
+                        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
                     if cutlass.const_expr(not cfg.dq_fence_late):
-                        self.hand_over_dq(wg_idx)
+                        self.hand_over_dq(wg_idx, buf)
                 else:
                     cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
                     cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
@@ -633,7 +652,7 @@ class FlashBwdSm90:
                     pipeline_q.consumer_release(state)
                     state.advance()
             if cutlass.const_expr(cfg.dq_fence_late):
-                self.hand_over_dq(wg_idx)  # the last block's dQ tile
+                self.hand_over_dq(wg_idx, (m_steps * group - 1) % cfg.dq_stages)  # the last block's dQ tile
             if cutlass.const_expr(cfg.dk_after_dq):
                 warpgroup.wait_group(0)  # the last block's dK
                 pipeline_q.consumer_release(release_state)
@@ -650,10 +669,18 @@ class FlashBwdSm90:
             self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, thr_mma_dV)
 
     @cute.jit
-    def hand_over_dq(self, wg_idx):
-        """The warpgroup's dQ tile, stored to shared memory, goes to the writer warp (`dq_writer`)."""
+    def hand_over_dq(self, wg_idx, buf):
+        """The warpgroup's dQ tile `buf`, stored to shared memory, goes to the writer warp
+        (`dq_writer`)."""
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
-        cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_FULL + wg_idx, number_of_threads=128 + 32)
+        cute.arch.barrier_arrive(barrier_id=self.dq_barrier(BARRIER_DQ_FULL, wg_idx, buf), number_of_threads=128 + 32)
+
+    def dq_barrier(self, base, wg_idx, buf):
+        """The named barrier of warpgroup `wg_idx`'s dQ tile `buf` among the FULL (or EMPTY)
+        barriers that start at `base`."""
+        if cutlass.const_expr(self.cfg.dq_stages == 1):
+            return base + wg_idx
+        return base + wg_idx * self.cfg.dq_stages + buf
 
     @cute.jit
     def thread_stats(self, sX_thr, t0ScS_mn) -> cute.Tensor:

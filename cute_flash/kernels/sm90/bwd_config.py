@@ -57,13 +57,14 @@ class BwdTile(NamedTuple):
     stats_early: tuple = ()
     dq_fence_late: tuple = ()
     dk_behind_dq: bool = False  # see `Sm90BwdConfig.dk_behind_dq`
+    dq_stages: int = 1  # see `Sm90BwdConfig.dq_stages`
 
 
 # keyed by the padded head dim
 TILES = {
     64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True,
-                dq_fence_late=("plain", "masked")),
-    96: BwdTile(64, 2, dq_writer=True, overlap_dv=True, dk_behind_dq=True),
+                dq_fence_late=("plain", "masked"), dq_stages=2),
+    96: BwdTile(64, 2, dq_writer=True, overlap_dv=True, dk_behind_dq=True, dq_stages=2),
     128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain",),
                  dq_fence_late=("masked",), dk_behind_dq=True),
 }
@@ -130,6 +131,11 @@ class Sm90BwdConfig:
     # for dK too, and the dQ tile goes to shared memory while dK's GEMM runs. (The stmatrix of
     # dS^T then also comes before any GEMM that reads the same registers.)
     dk_behind_dq: bool = False
+    # Shared-memory dQ tiles per warpgroup (with `dq_writer`): with 2 a warpgroup writes a
+    # block's tile while the writer warp's reduce-add may still be reading the previous one, and
+    # waits only for the one before that (a FULL and an EMPTY barrier per warpgroup and tile).
+    # Not at head dim 128, where the second tiles would take shared memory to its limit.
+    dq_stages: int = 1
 
     tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
@@ -146,6 +152,8 @@ class Sm90BwdConfig:
             raise ValueError("dk_behind_dq and dk_after_dq exclude each other")
         if self.dq_fence_late and not self.dq_writer:
             raise ValueError("dq_fence_late needs dq_writer")
+        if self.dq_stages not in (1, 2) or (self.dq_stages == 2 and not self.dq_writer):
+            raise ValueError(f"dq_stages must be 1, or 2 with dq_writer; got {self.dq_stages}")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
 
@@ -177,7 +185,7 @@ class Sm90BwdConfig:
         q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
         ds = self.ds_stages * self.tile_n * self.tile_m
         lse_d = 2 * 4 * self.num_stages * self.stat_stage_stride
-        dq = 4 * NUM_CONSUMER_WGS * self.tile_m * self.dq_cols  # fp32 dQ tiles, one per warpgroup
+        dq = 4 * NUM_CONSUMER_WGS * self.dq_stages * self.tile_m * self.dq_cols  # fp32 dQ tiles
         return 2 * (k_v + q_do + ds) + lse_d + dq + 1024  # + mbarriers and alignment
 
     @property
@@ -186,6 +194,8 @@ class Sm90BwdConfig:
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
+        if self.dq_stages > 1:
+            flags.append(f"dq{self.dq_stages}")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
         return "_".join(["bwd_sm90", self.dtype, hd, tile] + flags)
 
@@ -207,6 +217,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("stats_early", mode in tile.stats_early)
     flags.setdefault("dq_fence_late", mode in tile.dq_fence_late and flags["dq_writer"])
     flags.setdefault("dk_behind_dq", tile.dk_behind_dq and not flags["dk_after_dq"])
+    flags.setdefault("dq_stages", tile.dq_stages if flags["dq_writer"] else 1)
     return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
                          **flags)
 
