@@ -62,7 +62,19 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
                 flipped["dq_fence_late"] = False  # which needs the writer (off here anyway)
             if f.name == "dk_after_dq":
                 flipped["dk_behind_dq"] = False  # the two exclude each other
+            if f.name == "lpt":
+                continue  # needs causal: below
             assert replace(base, **flipped).name != base.name, f.name
+    causal = bc.make_config("bfloat16", 128, 128, causal=True)
+    assert causal.lpt and replace(causal, lpt=False).name != causal.name
+
+
+def test_sm90_bwd_lpt_order_only_for_causal_calls():
+    assert bc.make_config("bfloat16", 64, 64, causal=True).lpt
+    assert not bc.make_config("bfloat16", 64, 64).lpt
+    assert not bc.make_config("bfloat16", 128, 128, local=True).lpt
+    with pytest.raises(ValueError, match="lpt"):
+        bc.make_config("bfloat16", 128, 128, lpt=True)
 
 
 def test_sm90_bwd_dk_behind_dq_where_dk_is_not_carried_after_dq():

@@ -97,6 +97,19 @@ def test_sm90_bwd_gqa_and_mqa_sum_dk_dv_over_the_group(d, nheads, nheads_k, caus
     _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_bwd_causal_grid_of_several_head_groups(d):
+    """Causal CTAs take key blocks longest first within groups of heads (`lpt`): 32 key blocks
+    give groups of 8 (batch, KV head) pairs, so 3 x 3 pairs make a full group and one of 1."""
+    from cute_flash.kernels.sm90.bwd_config import LPT_GROUP_CTAS, make_config
+
+    assert make_config("bfloat16", d, d, causal=True).lpt and LPT_GROUP_CTAS // 32 == 8
+    torch.manual_seed(d)
+    q = torch.randn(3, 4096, 6, d, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(3, 4096, 3, d, d, torch.bfloat16)
+    _check(q, k, v, _args(d, causal=True, window_right=0))
+
+
 @pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0), (200, 7)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (500, 130), (239, 1), (1000, 1000)])
 @pytest.mark.parametrize("d", [64, 128])

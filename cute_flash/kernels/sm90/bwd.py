@@ -84,7 +84,7 @@ from ..common.block_info import BlockInfo, effective_window
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import wgmma_smem_layout_atom, wgmma_smem_layout_tile
 from ..common.utils import acc_mn_view, exp2f, tanhf
-from .bwd_config import NUM_CONSUMER_WGS, STAT_ALIGN, Sm90BwdConfig
+from .bwd_config import LPT_GROUP_CTAS, NUM_CONSUMER_WGS, STAT_ALIGN, Sm90BwdConfig
 from .fwd import FlashFwdSm90, tma_view
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
 
@@ -98,6 +98,21 @@ BARRIER_BOTH = BARRIER_WG + NUM_CONSUMER_WGS
 # writer arrives, consumers wait). With `dq_stages` = 2, one of each per warpgroup and tile, the
 # EMPTY ones after the four FULL ones (`FlashBwdSm90.dq_barrier`).
 BARRIER_DQ_FULL = BARRIER_BOTH + 1
+
+
+@cute.jit
+def lpt_block(cta, num_n_blocks, num_heads_k, lpt_heads):
+    """(key block, KV head, batch) of CTA `cta` of the flat causal grid (`Sm90BwdConfig.lpt`): the
+    (batch, KV head) pairs in groups of `lpt_heads`, and within a group every pair's key block 0,
+    then every pair's block 1, and so on."""
+    span = lpt_heads * num_n_blocks  # CTAs of a full group
+    first = cta // span * lpt_heads  # the group's first (batch, KV head) pair
+    rest = cta - first * num_n_blocks
+    # the last group may hold fewer pairs: how many are left, at most `lpt_heads`
+    pairs = cutlass.min(lpt_heads, cute.arch.grid_dim()[0] // num_n_blocks - first)
+    n_block = rest // pairs
+    pair = first + rest - n_block * pairs
+    return n_block, pair % num_heads_k, pair // num_heads_k
 
 
 def step_coords(it, head_k, group, m_block_min, m_steps):
@@ -224,14 +239,18 @@ class FlashBwdSm90:
 
         num_n_blocks = (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
+        grid = [num_n_blocks, num_heads_k, num_batch]
+        lpt_heads = cutlass.max(LPT_GROUP_CTAS // num_n_blocks, 1)  # heads per group (`lpt`)
+        if cutlass.const_expr(cfg.lpt):
+            grid = [num_n_blocks * num_heads_k * num_batch, 1, 1]
         self.kernel(
-            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, num_n_blocks, lpt_heads,
             tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
             tma_dQ, tma_mdQ, softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout,
             tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, SharedStorage,
         ).launch(
-            grid=[num_n_blocks, num_heads_k, num_batch],
+            grid=grid,
             block=[cfg.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -251,6 +270,8 @@ class FlashBwdSm90:
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        num_n_blocks: Int32,
+        lpt_heads: Int32,
         tma_Q: cute.CopyAtom,
         tma_mQ: cute.Tensor,
         tma_dO: cute.CopyAtom,
@@ -318,7 +339,13 @@ class FlashBwdSm90:
         sD = storage.sD.get_tensor(sStat_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
-        n_block, head_k, batch = cute.arch.block_idx()
+        num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
+        num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
+        group = num_heads // num_heads_k
+        if cutlass.const_expr(cfg.lpt):
+            n_block, head_k, batch = lpt_block(cute.arch.block_idx()[0], num_n_blocks, num_heads_k, lpt_heads)
+        else:
+            n_block, head_k, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         left, right = effective_window(seqlen, window_left, window_right, cfg.local)
         if cutlass.const_expr(cfg.causal):
@@ -326,9 +353,6 @@ class FlashBwdSm90:
         block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
         m_block_min, m_block_max = block_info.m_block_range(seqlen, n_block)
         m_steps = cutlass.max(m_block_max - m_block_min, 0)
-        num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
-        num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
-        group = num_heads // num_heads_k
 
         pipeline.pipeline_init_wait()
         # A CTA past the end of its (varlen) key sequence has nothing to do; all its threads leave.
