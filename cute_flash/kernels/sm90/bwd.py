@@ -85,7 +85,7 @@ from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import wgmma_smem_layout_atom, wgmma_smem_layout_tile
 from ..common.utils import acc_mn_view, exp2f, tanhf
 from .bwd_config import LPT_GROUP_CTAS, NUM_CONSUMER_WGS, STAT_ALIGN, Sm90BwdConfig
-from .fwd import FlashFwdSm90, tma_view
+from .fwd import FlashFwdSm90, tile_coords, tma_view
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
 
 # Named barrier (0 is __syncthreads) of one consumer warpgroup, + its index: its own dS^T rows
@@ -98,21 +98,6 @@ BARRIER_BOTH = BARRIER_WG + NUM_CONSUMER_WGS
 # writer arrives, consumers wait). With `dq_stages` = 2, one of each per warpgroup and tile, the
 # EMPTY ones after the four FULL ones (`FlashBwdSm90.dq_barrier`).
 BARRIER_DQ_FULL = BARRIER_BOTH + 1
-
-
-@cute.jit
-def lpt_block(cta, num_n_blocks, num_heads_k, lpt_heads):
-    """(key block, KV head, batch) of CTA `cta` of the flat causal grid (`Sm90BwdConfig.lpt`): the
-    (batch, KV head) pairs in groups of `lpt_heads`, and within a group every pair's key block 0,
-    then every pair's block 1, and so on."""
-    span = lpt_heads * num_n_blocks  # CTAs of a full group
-    first = cta // span * lpt_heads  # the group's first (batch, KV head) pair
-    rest = cta - first * num_n_blocks
-    # the last group may hold fewer pairs: how many are left, at most `lpt_heads`
-    pairs = cutlass.min(lpt_heads, cute.arch.grid_dim()[0] // num_n_blocks - first)
-    n_block = rest // pairs
-    pair = first + rest - n_block * pairs
-    return n_block, pair % num_heads_k, pair // num_heads_k
 
 
 def step_coords(it, head_k, group, m_block_min, m_steps):
@@ -240,11 +225,11 @@ class FlashBwdSm90:
         num_n_blocks = (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
         grid = [num_n_blocks, num_heads_k, num_batch]
-        lpt_heads = cutlass.max(LPT_GROUP_CTAS // num_n_blocks, 1)  # heads per group (`lpt`)
+        lpt_heads = cutlass.max(LPT_GROUP_CTAS // num_n_blocks, 1)  # (batch, KV head) pairs per group (`lpt`)
         if cutlass.const_expr(cfg.lpt):
             grid = [num_n_blocks * num_heads_k * num_batch, 1, 1]
         self.kernel(
-            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, num_n_blocks, lpt_heads,
+            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, num_batch, num_n_blocks, lpt_heads,
             tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
             tma_dQ, tma_mdQ, softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout,
@@ -270,6 +255,7 @@ class FlashBwdSm90:
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        num_batch: Int32,
         num_n_blocks: Int32,
         lpt_heads: Int32,
         tma_Q: cute.CopyAtom,
@@ -343,7 +329,10 @@ class FlashBwdSm90:
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
         group = num_heads // num_heads_k
         if cutlass.const_expr(cfg.lpt):
-            n_block, head_k, batch = lpt_block(cute.arch.block_idx()[0], num_n_blocks, num_heads_k, lpt_heads)
+            # key block 0 meets every query block: the forward's tile order, not reversed
+            n_block, head_k, batch = tile_coords(
+                cute.arch.block_idx()[0], num_n_blocks, num_heads_k, num_batch, lpt_heads, False, cutlass.min
+            )
         else:
             n_block, head_k, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)

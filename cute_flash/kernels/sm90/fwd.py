@@ -97,7 +97,8 @@ def tile_coords(tile, num_m_blocks, num_heads, num_batch, heads_per_section, lon
     of its heads side by side, so that the K/V they read is shared in L2 while it lasts. Inside a
     section the query blocks go from the first to the last, or, for causal and local attention
     (`longest_first`), from the last (the most keys) to the first. With one head per section this
-    is the order of the non-persistent grid.
+    is the order of the non-persistent grid. The sm_90 backward's causal grid takes its key blocks
+    in this order (`Sm90BwdConfig.lpt`: key block 0, the first, meets the most queries).
     """
     pairs = num_heads * num_batch
     section_tiles = num_m_blocks * heads_per_section
