@@ -675,11 +675,11 @@ class FlashBwdSm90:
 
             # ---- epilogue: dK (scaled) and dV in the input dtype ----
             acc_dK.store(acc_dK.load() * softmax_scale)
-            self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, thr_mma_dK)
-            self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, thr_mma_dV)
+            self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
+            self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
         else:  # no query block sees these keys
-            self.store_rows(None, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, thr_mma_dK)
-            self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, thr_mma_dV)
+            self.store_rows(None, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
+            self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
 
     @cute.jit
     def hand_over_dq(self, wg_idx, buf):
@@ -751,24 +751,30 @@ class FlashBwdSm90:
 
     @cute.jit
     def store_rows(self, acc, mX, seqlen: SeqlenInfo, batch, head_k, n_block, tile_d: cutlass.Constexpr,
-                   thr_mma):
+                   tiled_mma: cute.TiledMma, ctidx):
         """Round an fp32 (tile_n, tile_d) accumulator to the input dtype (RNE), or zeros for
-        `acc` None, and store the part inside the key sequence and the actual head dim."""
+        `acc` None, and store the part inside the key sequence and the actual head dim: two
+        neighbouring columns per 32-bit store (the head dim is a multiple of 8, so a pair is
+        inside or outside it together)."""
         cfg = self.cfg
         d = mX.shape[2] if cutlass.const_expr(cfg.varlen_k) else mX.shape[3]
         gX = cute.local_tile(seqlen.k_rows(mX, batch, head_k), (cfg.tile_n, tile_d), (n_block, 0))
-        tXgX = thr_mma.partition_C(gX)
-        rX = cute.make_rmem_tensor(tXgX.shape, self.dtype)
+        rX = cute.make_rmem_tensor(tiled_mma.get_slice(ctidx).partition_C(gX).shape, self.dtype)
         if cutlass.const_expr(acc is None):
             rX.fill(0)
         else:
             rX.store(acc.load().to(self.dtype))
-        tXgX_mn = acc_mn_view(acc_as_mma_sync(tXgX))
-        rX_mn = acc_mn_view(acc_as_mma_sync(rX))
-        tXcX_mn = acc_mn_view(acc_as_mma_sync(thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_n, tile_d)))))
+        r2g = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma
+        ).get_slice(ctidx)
+        tXgX = r2g.partition_D(gX)
+        tXrX = r2g.retile(rX)
+        tXcX = r2g.partition_D(cute.make_identity_tensor((cfg.tile_n, tile_d)))
         rows = seqlen.seqlen_k - n_block * cfg.tile_n
-        for r in cutlass.range_constexpr(cute.size(rX_mn, mode=[0])):
-            if tXcX_mn[r, 0][0] < rows:
-                for c in cutlass.range_constexpr(cute.size(rX_mn, mode=[1])):
-                    if tXcX_mn[r, c][1] < d:
-                        tXgX_mn[r, c] = rX_mn[r, c]
+        # mode 0 of the partitions is (pair, pairs): each thread's whole fragment, one pair per store
+        for i in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(tXgX, mode=[2])):
+                for v in cutlass.range_constexpr(cute.size(tXgX.shape[0][1])):
+                    if tXcX[(0, v), i, j][0] < rows:
+                        if tXcX[(0, v), i, j][1] < d:
+                            cute.copy(r2g, tXrX[(None, v), i, j], tXgX[(None, v), i, j])
