@@ -151,6 +151,24 @@ def col_predicate(tXcX: cute.Tensor, limit) -> cute.Tensor:
 
 
 @cute.jit
+def store_staged_rows(gmem_copy: cute.TiledCopy, sX: cute.Tensor, gX: cute.Tensor, tidx, rows, cols):
+    """Copy a tile staged in shared memory (`sX`) to its place in global memory (`gX`, the same
+    static shape) with `gmem_copy` (`make_s2g_copy`): rows from `rows` on are not written, nor
+    columns from `cols` on (`cols` None: every column is inside)."""
+    thr_copy = gmem_copy.get_slice(tidx)
+    tXsX = thr_copy.partition_S(sX)
+    tXgX = thr_copy.partition_D(gX)
+    tXcX = thr_copy.partition_D(cute.make_identity_tensor(gX.shape))
+    tXrX = cute.make_fragment_like(tXsX, sX.element_type)
+    cute.autovec_copy(tXsX, tXrX)
+    tXpD = col_predicate(tXcX, cols) if cutlass.const_expr(cols is not None) else None
+    for m in cutlass.range_constexpr(cute.size(tXrX, mode=[1])):
+        if tXcX[0, m, 0][0] < rows:
+            cute.copy(gmem_copy, tXrX[None, m, None], tXgX[None, m, None],
+                      pred=tXpD[None, m, None] if cutlass.const_expr(cols is not None) else None)
+
+
+@cute.jit
 def cp_async_tile(tiled_copy: cute.TiledCopy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor,
                   tXpD, rows):
     """cp.async one tile; rows past `rows` and columns the predicate `tXpD` rules out are

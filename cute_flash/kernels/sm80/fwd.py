@@ -52,6 +52,7 @@ from ..common.utils import (
     cp_async_tile,
     make_g2s_copy,
     make_s2g_copy,
+    store_staged_rows,
     tanhf,
 )
 from .fwd_config import Sm80FwdConfig
@@ -530,14 +531,5 @@ class FlashFwdSm80:
         cute.arch.barrier()
 
         gO = cute.local_tile(seqlen.q_rows(mO, batch, head), (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
-        thr_copy_O = gmem_copy_O.get_slice(tidx)
-        tOsO = thr_copy_O.partition_S(sO)
-        tOgO = thr_copy_O.partition_D(gO)
-        tOcO = thr_copy_O.partition_D(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v)))
-        tOrO = cute.make_fragment_like(tOsO, self.dtype)
-        cute.autovec_copy(tOsO, tOrO)
-        tOpD = col_predicate(tOcO, headdim_v) if cutlass.const_expr(cfg.check_hdim_v) else None
-        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-            if tOcO[0, m, 0][0] < rows_left:
-                cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None],
-                          pred=tOpD[None, m, None] if cutlass.const_expr(cfg.check_hdim_v) else None)
+        cols = headdim_v if cutlass.const_expr(cfg.check_hdim_v) else None
+        store_staged_rows(gmem_copy_O, sO, gO, tidx, rows_left, cols)
