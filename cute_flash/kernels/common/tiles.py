@@ -4,6 +4,16 @@ the checks every attention kernel configuration starts with."""
 from __future__ import annotations
 
 
+# Static shared memory of every compiled sm_90 kernel (the audit's cuobjdump resource usage of
+# every configuration), besides its dynamic `SharedStorage`: a CTA needs both within the limit.
+SM90_STATIC_SMEM_BYTES = 1024
+
+
+def align_up(n: int, alignment: int) -> int:
+    """`n` rounded up to a multiple of `alignment`."""
+    return -(-n // alignment) * alignment
+
+
 def pad_headdim(d: int, tile_headdims: tuple, error: type = ValueError) -> int:
     """The smallest tile head dim that holds `d` (the columns past `d` are zero-filled on load
     and never stored); `error` is raised, naming `d`, when no tile is large enough."""

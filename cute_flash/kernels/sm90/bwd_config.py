@@ -17,9 +17,10 @@ the warpgroups' columns (or over more CTAs), which this kernel does not do, so t
 by name (`UnsupportedHeadDim`), as is a head dim of V that differs from Q's.
 
 Shared memory (`smem_bytes`): K and V of the CTA, `num_stages` buffers of (Q, dO, LSE, D),
-`ds_stages` dS^T buffers and the two warpgroups' fp32 dQ tiles: 2 * (tile_n * (d + dv) + stages
-* tile_m * (d + dv) + ds_stages * tile_n * tile_m) + 8 * stages * `stat_stage_stride` + 2 * 4 *
-tile_m * dq_cols bytes, 194 KB at head dim 128 with 2 stages and `dq_split` (210 KB without).
+`ds_stages` dS^T buffers and the two warpgroups' fp32 dQ tiles (`dq_stages` each): about 2 *
+(tile_n * (d + dv) + stages * tile_m * (d + dv) + ds_stages * tile_n * tile_m) + 8 * stages *
+`stat_stage_stride` + 2 * 4 * dq_stages * tile_m * dq_cols bytes and 2 KB of mbarriers and
+alignment, 195 KB at head dim 128 with 2 stages and `dq_split` (211 KB without).
 
 The LSE and D rows of a query block come by TMA too. In a fixed-length batch a block starts at a
 multiple of `tile_m` rows, which is 16-byte aligned; in a varlen batch it starts at
@@ -32,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..common.tiles import check_attention_config, pad_headdim
+from ..common.tiles import SM90_STATIC_SMEM_BYTES, align_up, check_attention_config, pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128)
 DTYPES = ("float16", "bfloat16")
@@ -197,12 +198,16 @@ class Sm90BwdConfig:
 
     @property
     def smem_bytes(self) -> int:
+        """Shared memory of a CTA: the kernel's `SharedStorage` field by field with their
+        alignments, and the static shared memory (the compile tests check both)."""
         k_v = self.tile_n * (self.head_dim + self.head_dim_v)
         q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
         ds = self.ds_stages * self.tile_n * self.tile_m
-        lse_d = 2 * 4 * self.num_stages * self.stat_stage_stride
+        stat = 4 * (self.stat_stage_stride * (self.num_stages - 1) + self.stat_box)  # LSE, and D
         dq = 4 * NUM_CONSUMER_WGS * self.dq_stages * self.tile_m * self.dq_cols  # fp32 dQ tiles
-        return 2 * (k_v + q_do + ds) + lse_d + dq + 1024  # + mbarriers and alignment
+        size = 1024 + 2 * (k_v + q_do + ds)  # the mbarriers, padded to the 1024-aligned tiles
+        size = align_up(align_up(size, 128) + stat, 128) + stat
+        return align_up(size, 1024) + dq + SM90_STATIC_SMEM_BYTES
 
     @property
     def name(self) -> str:

@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ..common.tiles import check_attention_config, pad_headdim
+from ..common.tiles import SM90_STATIC_SMEM_BYTES, check_attention_config, pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128, 192, 256)
 DTYPES = ("float16", "bfloat16")
@@ -141,12 +141,15 @@ class Sm90FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
+        """Shared memory of a CTA: the kernel's `SharedStorage` and the static shared memory (the
+        compile test checks both)."""
         if self.persistent:  # Q and O apart
             q_o = self.tile_m * (self.head_dim + self.head_dim_v)
         else:  # O over Q
             q_o = self.tile_m * max(self.head_dim, self.head_dim_v)
         kv = self.tile_n * (self.head_dim + self.head_dim_v) * self.num_stages
-        return 2 * (q_o + kv) + 1024  # + mbarriers and alignment
+        # the mbarriers (and the tile hand-over slot) padded to the 1024-aligned tiles
+        return 1024 + 2 * (q_o + kv) + SM90_STATIC_SMEM_BYTES
 
     @property
     def name(self) -> str:
