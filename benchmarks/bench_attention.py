@@ -5,7 +5,10 @@ process on the same inputs. Before it is timed, a provider's result (and, for fo
 backward, its gradients) is checked against cute_flash's float32 reference with DESIGN.md's
 tolerance; a provider that fails is reported as `wrong`, never timed. Times are
 `triton.testing.do_bench` medians after warm-up (CUDA events if Triton is missing); FLOPs and
-bytes follow DESIGN.md (see bench_lib.py). Errors and out-of-memory are recorded per cell.
+bytes follow DESIGN.md (see bench_lib.py). Errors and out-of-memory are recorded per cell. With
+`--rounds N` every provider of a case is timed N times, the providers taking turns (A B C, A B
+C, ...), and a cell reports the median: slow drifts of the GPU's clock then touch every provider
+alike instead of whichever ran during them.
 
 Writes <out-dir>/<gpu>-<date>.md (tables), .json (raw results) and -<mode>.png (plots); the
 tables and JSON are rewritten after every case, so an interrupted run keeps what it measured.
@@ -21,11 +24,13 @@ import argparse
 import datetime
 import importlib.metadata
 import shlex
+import statistics
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 # Benchmark the checkout this file lives in, installed or not.
@@ -76,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and 8k (explicit options still apply on top)")
     p.add_argument("--warmup", type=float, default=10, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=50, help="do_bench measuring time, ms")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each case's providers this many times, taking turns, and report the median")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time forward and decode as replays of a CUDA graph captured around one call: the "
                         "kernels without the host's per-call work, as an inference engine that captures its "
@@ -91,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [m for m in args.modes if m not in MODES] + [n for n in args.providers if n not in ALL]
     if bad:
         p.error(f"unknown mode or provider: {', '.join(bad)}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.quick:
         given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
         for key, value in QUICK.items():
@@ -182,7 +191,8 @@ def collect_meta(args, argv, timer: str) -> dict:
         "triton": _version("triton"),
         "cute_flash": f"{cute_flash.__version__} (commit {_commit()})",
         "dtype": args.dtype,
-        "timing": f"{timer}, warm-up {args.warmup:g} ms, measured {args.rep:g} ms",
+        "timing": f"{timer}, warm-up {args.warmup:g} ms, measured {args.rep:g} ms"
+                  + (f"; median of {args.rounds} rounds, the providers taking turns" if args.rounds > 1 else ""),
         "correctness": "max|out - ref| <= 2 max|out_torch - ref| + atol against the float32 reference, on the first "
                        "sequence and 4 heads (decode: first 4 sequences); out, dq, dk, dv for forward + backward",
         "command": command_line(argv),
@@ -234,9 +244,10 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:240]
 
 
-def run_cell(runner, case: Case, x, oracle_of, timer, graph: bool = False) -> Result:
+def run_cell(runner, case: Case, x, oracle_of, timer, graph: bool = False, again: Optional[dict] = None) -> Result:
     """Check, then time, one provider on one case (`graph`: time forward and decode as CUDA-graph
-    replays)."""
+    replays). `again`: where a cell that ran stores, under the provider's name, a function that
+    times it once more (`time_rounds`)."""
     reason = runner.not_applicable(case)
     if reason:
         return Result(case, runner.name, NOT_APPLICABLE, message=reason)
@@ -263,7 +274,9 @@ def run_cell(runner, case: Case, x, oracle_of, timer, graph: bool = False) -> Re
                 return Result(case, runner.name, WRONG, max_err=err, tolerance=tol,
                               message=f"{what}: max error {err:.3g} > tolerance {tol:.3g}")
             if backward:
-                ms = timer(lambda: fn().backward(x.dout), grad_to_none=list(leaves))
+                step = lambda: fn().backward(x.dout)  # noqa: E731
+                ms = timer(step, grad_to_none=list(leaves))
+                timed = lambda: timer(step, grad_to_none=list(leaves))  # noqa: E731
             else:
                 with torch.no_grad():
                     if graph:
@@ -280,8 +293,12 @@ def run_cell(runner, case: Case, x, oracle_of, timer, graph: bool = False) -> Re
                             return Result(case, runner.name, WRONG, max_err=err, tolerance=tol,
                                           message=f"CUDA-graph replay, {what}: max error {err:.3g} > tolerance {tol:.3g}")
                         ms = timer(replay)
+                        timed = lambda: timer(replay)  # noqa: E731
                     else:
                         ms = timer(fn)
+                        timed = lambda: timer(fn)  # noqa: E731
+        if again is not None:
+            again[runner.name] = lambda: _time_in_context(runner, timed, no_grad=not backward)
         return Result(case, runner.name, OK, ms=ms, value=throughput(case, ms * 1e-3), max_err=err, tolerance=tol)
     except torch.cuda.OutOfMemoryError as e:
         return Result(case, runner.name, OOM, message=_short(e))
@@ -290,6 +307,36 @@ def run_cell(runner, case: Case, x, oracle_of, timer, graph: bool = False) -> Re
     finally:
         for t in leaves:
             t.grad = None
+
+
+def _time_in_context(runner, timed, no_grad: bool) -> float:
+    """`timed()` (one timing, ms) inside the provider's context, as its first timing ran."""
+    with runner.context():
+        if no_grad:
+            with torch.no_grad():
+                return timed()
+        return timed()
+
+
+def time_rounds(results: list, again: dict, rounds: int) -> None:
+    """Rounds 2..`rounds` of one case: each provider in `again` timed once per round, in turn;
+    its result then reports the median of all its rounds (`ms_rounds` keeps them). A provider
+    that fails in a later round becomes an error cell."""
+    times = {r.provider: [r.ms] for r in results if r.provider in again and r.status == OK}
+    for _ in range(rounds - 1):
+        for name in list(times):
+            try:
+                times[name].append(again[name]())
+            except Exception as e:
+                del times[name]
+                for r in results:
+                    if r.provider == name:
+                        r.status, r.ms, r.value, r.message = ERROR, None, None, f"a later round: {_short(e)}"
+    for r in results:
+        if r.provider in times:
+            r.ms_rounds = [round(t, 5) for t in times[r.provider]]
+            r.ms = statistics.median(times[r.provider])
+            r.value = throughput(r.case, r.ms * 1e-3)
 
 
 def _context_alive() -> bool:
@@ -381,20 +428,24 @@ def run(args, argv=None) -> int:
             bar.update(len(runners))
             continue
         oracle = _Lazy(lambda: Oracle(case, x.q, x.k, x.v, x.dout, x.page_table))
+        case_results, again = [], ({} if args.rounds > 1 else None)
         for r in runners:
             if stopped is None and time.monotonic() > deadline:
                 stopped = "time limit (--max-minutes) reached"
             if stopped is not None:
-                results.append(Result(case, r.name, NOT_RUN, message=stopped))
+                case_results.append(Result(case, r.name, NOT_RUN, message=stopped))
             else:
                 start = time.perf_counter()
-                results.append(run_cell(r, case, x, oracle, timer, graph=args.cuda_graph))
-                results[-1].wall_s = round(time.perf_counter() - start, 2)
-                if results[-1].status == ERROR and not _context_alive():
+                case_results.append(run_cell(r, case, x, oracle, timer, graph=args.cuda_graph, again=again))
+                case_results[-1].wall_s = round(time.perf_counter() - start, 2)
+                if case_results[-1].status == ERROR and not _context_alive():
                     stopped = f"the CUDA context was lost after {r.name} on {case.describe()}"
                     meta["notes"].append(stopped)
             bar.update(1)
-        del x, oracle
+        if again and stopped is None:
+            time_rounds(case_results, again, args.rounds)
+        results += case_results
+        del x, oracle, again
         if stopped is None:
             torch.cuda.empty_cache()
         write_markdown(md_path, meta, providers, results)

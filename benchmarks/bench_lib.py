@@ -204,6 +204,7 @@ class Result:
     tolerance: Optional[float] = None
     message: str = ""
     wall_s: Optional[float] = None  # the cell's wall time: check, compile and timing
+    ms_rounds: Optional[list] = None  # with --rounds > 1: every round's time; `ms` is their median
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -292,6 +292,37 @@ def test_cli_rejects_an_unknown_provider(capsys):
     assert exit_info.value.code == 2 and "unknown mode or provider: nope" in capsys.readouterr().err
 
 
+def test_cli_rounds_must_be_positive(capsys):
+    assert bench_attention.parse_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        bench_attention.parse_args(["--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_rounds_report_the_median_of_every_turn_and_drop_a_provider_that_fails_later():
+    case = bl.Case(mode="fwd", batch=2, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_k=16, headdim=128,
+                   causal=False, dtype="bf16")
+    results = [bl.Result(case, "a", bl.OK, ms=1.0, value=bl.throughput(case, 1e-3)),
+               bl.Result(case, "b", bl.OK, ms=2.0, value=bl.throughput(case, 2e-3)),
+               bl.Result(case, "c", bl.WRONG, max_err=1.0)]
+    order, a_times = [], iter([3.0, 2.0])
+
+    def time_a():
+        order.append("a")
+        return next(a_times)
+
+    def time_b():
+        order.append("b")
+        raise RuntimeError("lost")
+
+    bench_attention.time_rounds(results, {"a": time_a, "b": time_b}, rounds=3)
+    a, b, c = results
+    assert order == ["a", "b", "a"]  # turns: a, b, then a alone once b has failed
+    assert a.ms_rounds == [1.0, 3.0, 2.0] and a.ms == 2.0 and a.value == bl.throughput(case, 2e-3)
+    assert b.status == bl.ERROR and b.value is None and "a later round" in b.message
+    assert c.status == bl.WRONG and c.ms_rounds is None
+
+
 def test_recorded_command_leaves_out_where_files_go_and_come_from():
     argv = ["--quick", "--out-dir", "/some/where", "--modes=fwd", "--out-dir=/x", "--resume", "r.json"]
     assert bench_attention.command_line(argv) == "python benchmarks/bench_attention.py --quick --modes=fwd"
