@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import os
 import shlex
 import statistics
 import subprocess
@@ -161,6 +162,12 @@ def _driver() -> str:
 
 
 def _commit() -> str:
+    """The checkout's commit, marked when cute_flash/ or benchmarks/ differ from it; where the
+    environment sets CUTE_FLASH_COMMIT, that instead (for a copy of the tree whose git metadata is
+    missing or not its own)."""
+    given = os.environ.get("CUTE_FLASH_COMMIT", "").strip()
+    if given:
+        return f"{given}, as CUTE_FLASH_COMMIT says"
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE,
                              timeout=20)

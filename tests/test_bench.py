@@ -323,6 +323,13 @@ def test_rounds_report_the_median_of_every_turn_and_drop_a_provider_that_fails_l
     assert c.status == bl.WRONG and c.ms_rounds is None
 
 
+def test_recorded_commit_can_be_given_by_the_environment(monkeypatch):
+    monkeypatch.setenv("CUTE_FLASH_COMMIT", "abc1234")
+    assert bench_attention._commit() == "abc1234, as CUTE_FLASH_COMMIT says"
+    monkeypatch.setenv("CUTE_FLASH_COMMIT", " ")
+    assert "CUTE_FLASH_COMMIT" not in bench_attention._commit()
+
+
 def test_recorded_command_leaves_out_where_files_go_and_come_from():
     argv = ["--quick", "--out-dir", "/some/where", "--modes=fwd", "--out-dir=/x", "--resume", "r.json"]
     assert bench_attention.command_line(argv) == "python benchmarks/bench_attention.py --quick --modes=fwd"
