@@ -165,11 +165,10 @@ class FlashBwdSm90:
         sdS_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.tile_m),
                                         (cfg.tile_n, cfg.tile_m, cfg.ds_stages), (0, 1, 2))
         sStat_layout = cute.make_layout((cfg.stat_box, cfg.num_stages), stride=(1, cfg.stat_stage_stride))
-        # one fp32 dQ partial per consumer warpgroup, the source of its TMA reduce-add
-        sdQ_layout = wgmma_smem_layout_tile(Float32, cfg.tile_m, cfg.dq_cols, NUM_CONSUMER_WGS)
-        if cutlass.const_expr(cfg.dq_stages > 1):  # (rows, cols, warpgroup, stage)
-            sdQ_layout = cute.tile_to_shape(wgmma_smem_layout_atom(Float32, cfg.dq_cols),
-                                            (cfg.tile_m, cfg.dq_cols, NUM_CONSUMER_WGS, cfg.dq_stages), (0, 1, 2, 3))
+        # `dq_stages` fp32 dQ partials per consumer warpgroup, the sources of its TMA reduce-adds:
+        # (rows, cols, warpgroup, stage)
+        sdQ_layout = cute.tile_to_shape(wgmma_smem_layout_atom(Float32, cfg.dq_cols),
+                                        (cfg.tile_m, cfg.dq_cols, NUM_CONSUMER_WGS, cfg.dq_stages), (0, 1, 2, 3))
 
         @cute.struct
         class SharedStorage:
@@ -427,10 +426,7 @@ class FlashBwdSm90:
             buf = it % cfg.dq_stages
             for w in cutlass.range_constexpr(NUM_CONSUMER_WGS):
                 cute.arch.barrier(barrier_id=self.dq_barrier(BARRIER_DQ_FULL, w, buf), number_of_threads=writer_and_wg)
-                if cutlass.const_expr(cfg.dq_stages > 1):
-                    self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w, buf], seqlen, batch, head, m_block, w)
-                else:
-                    self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w], seqlen, batch, head, m_block, w)
+                self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w, buf], seqlen, batch, head, m_block, w)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 if it + cfg.dq_stages < steps:  # the warpgroup writes this tile again only after this
                     cute.arch.barrier_arrive(barrier_id=self.dq_barrier(self.barrier_dq_empty, w, buf),
@@ -505,10 +501,7 @@ class FlashBwdSm90:
         tdSsdS = stsm_dS.partition_D(sdS)  # (..., ds_stages)
         # this warpgroup's fp32 dQ partial -> its shared-memory tile (pairs of floats), which it
         # then adds to dQaccum in global memory with a TMA reduce-add
-        if cutlass.const_expr(cfg.dq_stages > 1):
-            sdQ_wg = sdQ[None, None, wg_idx, None]  # (rows, cols, stage)
-        else:
-            sdQ_wg = sdQ[None, None, wg_idx]
+        sdQ_wg = sdQ[None, None, wg_idx, None]  # (rows, cols, stage)
         r2s_dQ = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ
         ).get_slice(ctidx % 128)
@@ -648,18 +641,15 @@ class FlashBwdSm90:
                     if it >= cfg.dq_stages:  # the writer warp's last reduce-add from this tile has read it
                         cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf),
                                           number_of_threads=128 + 32)
-                    if cutlass.const_expr(cfg.dq_stages > 1):
-                        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
-                    else:
-                        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
                     if cutlass.const_expr(not cfg.dq_fence_late):
                         self.hand_over_dq(wg_idx, buf)
                 else:
-                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, 0])
                     cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
                     if dq_warp:
-                        self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg, seqlen, batch, head, m_block, wg_idx)
+                        self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg[None, None, 0], seqlen, batch, head, m_block, wg_idx)
                 if cutlass.const_expr(cfg.dk_behind_dq):
                     warpgroup.wait_group(0)  # dK in: the end of every read of this stage
                     pipeline_q.consumer_release(state)
@@ -691,8 +681,6 @@ class FlashBwdSm90:
     def dq_barrier(self, base, wg_idx, buf):
         """The named barrier of warpgroup `wg_idx`'s dQ tile `buf` among the FULL (or EMPTY)
         barriers that start at `base`."""
-        if cutlass.const_expr(self.cfg.dq_stages == 1):
-            return base + wg_idx
         return base + wg_idx * self.cfg.dq_stages + buf
 
     @cute.jit
