@@ -82,8 +82,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from ..common.block_info import BlockInfo, effective_window
 from ..common.seqlen_info import SeqlenInfo
-from ..common.smem_layouts import wgmma_smem_layout_atom, wgmma_smem_layout_tile
-from ..common.utils import acc_mn_view, exp2f, tanhf
+from ..common.smem_layouts import swizzle_params, wgmma_smem_layout_atom, wgmma_smem_layout_tile
+from ..common.utils import acc_mn_view, exp2f, make_s2g_copy, store_staged_rows, tanhf
 from .bwd_config import LPT_GROUP_CTAS, NUM_CONSUMER_WGS, STAT_ALIGN, Sm90BwdConfig
 from .fwd import FlashFwdSm90, tile_coords, tma_view
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
@@ -665,8 +665,12 @@ class FlashBwdSm90:
 
             # ---- epilogue: dK (scaled) and dV in the input dtype ----
             acc_dK.store(acc_dK.load() * softmax_scale)
-            self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
-            self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
+            if cutlass.const_expr(cfg.dkv_staged):
+                self.store_staged(acc_dK, acc_dV, sQ, sdO, mdK, mdV, seqlen, batch, head_k, n_block,
+                                  tiled_mma_dK, tiled_mma_dV, ctidx)
+            else:
+                self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
+                self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
         else:  # no query block sees these keys
             self.store_rows(None, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
             self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
@@ -736,6 +740,51 @@ class FlashBwdSm90:
             row = wg_idx * 64 + idx // cols
             if row >= rows_valid:
                 sX[row, idx % cols] = self.dtype(0)
+
+    @cute.jit
+    def store_staged(self, acc_dK, acc_dV, sQ, sdO, mdK, mdV, seqlen: SeqlenInfo, batch, head_k, n_block,
+                     tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma, ctidx):
+        """`dkv_staged`: dK and dV rounded to the input dtype (RNE), written by stmatrix over Q's and
+        dO's shared memory, which no step reads any more, then stored from there by 128-bit copies,
+        rows inside the key sequence and columns inside the actual head dims only."""
+        cfg = self.cfg
+        sdK = self.staging_tile(sQ, cfg.head_dim)
+        sdV = self.staging_tile(sdO, cfg.head_dim_v)
+        # both warpgroups are done with the last block's Q and dO
+        cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+        self.stage_acc(acc_dK, sdK, tiled_mma_dK, ctidx)
+        self.stage_acc(acc_dV, sdV, tiled_mma_dV, ctidx)
+        cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+        rows = seqlen.seqlen_k - n_block * cfg.tile_n
+        self.store_staged_tile(sdK, mdK, seqlen, batch, head_k, n_block, rows, cfg.head_dim, ctidx)
+        self.store_staged_tile(sdV, mdV, seqlen, batch, head_k, n_block, rows, cfg.head_dim_v, ctidx)
+
+    def staging_tile(self, sX, tile_d: int) -> cute.Tensor:
+        """A (tile_n, tile_d) tile over the (tile_m, tile_d, 2 stages) of Q or dO: the same swizzle
+        atom (its pointer carries the swizzle), as many elements."""
+        layout = wgmma_smem_layout_tile(self.dtype, self.cfg.tile_n, tile_d)
+        assert cute.cosize(layout) <= cute.cosize(sX.layout), "the staging tile does not fit"
+        return cute.make_tensor(sX.iterator, layout.outer)
+
+    @cute.jit
+    def stage_acc(self, acc, sT, tiled_mma: cute.TiledMma, ctidx):
+        """The fp32 accumulator `acc` rounded to the input dtype into `sT` by stmatrix."""
+        stsm = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma
+        ).get_slice(ctidx)
+        rX = cute.make_fragment_like(acc, self.dtype)
+        rX.store(acc.load().to(self.dtype))
+        cute.copy(stsm, stsm.retile(rX), stsm.partition_D(sT))
+
+    @cute.jit
+    def store_staged_tile(self, sT, mX, seqlen: SeqlenInfo, batch, head_k, n_block, rows, tile_d: cutlass.Constexpr,
+                          ctidx):
+        """The staged tile `sT` to its rows of `mX`, 128 bits per copy."""
+        cfg = self.cfg
+        d = mX.shape[2] if cutlass.const_expr(cfg.varlen_k) else mX.shape[3]
+        gX = cute.local_tile(seqlen.k_rows(mX, batch, head_k), (cfg.tile_n, tile_d), (n_block, 0))
+        s2g = make_s2g_copy(self.dtype, self.num_consumer_threads, swizzle_params(self.dtype.width, tile_d).atom_cols)
+        store_staged_rows(s2g, sT, gX, ctidx, rows, d)
 
     @cute.jit
     def store_rows(self, acc, mX, seqlen: SeqlenInfo, batch, head_k, n_block, tile_d: cutlass.Constexpr,

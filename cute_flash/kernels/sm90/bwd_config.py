@@ -151,6 +151,10 @@ class Sm90BwdConfig:
     # On the H200 (bf16, causal, `benchmarks/ab_sm90_bwd.py`, 3 rounds): 2 x 4096 at head dim 128
     # 0.817-0.837 -> 0.772-0.788 ms, at 64 0.971-0.972 -> 0.937-0.997; 8 x 2048 at 128 level.
     lpt: bool = False
+    # dK and dV staged in the shared memory of Q and dO (free once the last block is done) by
+    # stmatrix and stored from there 128 bits per thread and copy, instead of 32-bit stores
+    # straight from the accumulators' layout (8 rows and 16 bytes of each per warp store).
+    dkv_staged: bool = False
 
     tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
@@ -213,7 +217,7 @@ class Sm90BwdConfig:
     def name(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
-                             "dk_behind_dq", "lpt") if getattr(self, f)]
+                             "dk_behind_dq", "lpt", "dkv_staged") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -240,6 +244,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dk_behind_dq", tile.dk_behind_dq and not flags["dk_after_dq"])
     flags.setdefault("dq_stages", tile.dq_stages if flags["dq_writer"] else 1)
     flags.setdefault("lpt", flags.get("causal", False))
+    flags.setdefault("dkv_staged", True)
     return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
                          **flags)
 
