@@ -12,7 +12,7 @@ dim heads (21 at 96). Variants of each case (`kernels/sm90/bwd_config.py` says w
 * one variant per schedule flag that the case can flip: `stats_early`, `dq_fence_late` (with the
   dQ writer warp), `overlap_dv`, `dk_after_dq` (where it is on: at head dim 128 turning it on
   serializes the WGMMAs) or else `dk_behind_dq`, `dq_writer` (off, with `dq_fence_late` off and one
-  dQ tile), `dq_stages` (1 where 2 ship), `lpt` (off, causal), `dkv_staged` and `dq_split` (off);
+  dQ tile), `dq_stages` (1 where 2 ship, else 2), `lpt` (off, causal), `dkv_staged` and `dq_split` (off);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the same preprocess and postprocess kernels (`backward_sm90` with the
@@ -54,6 +54,8 @@ def variants(head_dim: int, causal: bool) -> list:
         flips.append(("no dq_writer", {"dq_writer": False, "dq_fence_late": False, "dq_stages": 1}))
     if shipped.dq_stages > 1:
         flips.append(("one dQ tile", {"dq_stages": 1}))
+    elif shipped.dq_writer:
+        flips.append(("two dQ tiles", {"dq_stages": 2}))
     flips.append(("overlap_dv", {"overlap_dv": not shipped.overlap_dv}))
     if shipped.dk_after_dq:
         flips.append(("no dk_after_dq", {"dk_after_dq": False}))
@@ -61,7 +63,7 @@ def variants(head_dim: int, causal: bool) -> list:
         flips.append(("dk_behind_dq", {"dk_behind_dq": not shipped.dk_behind_dq}))
     if shipped.causal:
         flips.append(("no lpt", {"lpt": False}))
-    flips.append(("dkv_staged", {"dkv_staged": not shipped.dkv_staged}))
+    flips.append(("no dkv_staged" if shipped.dkv_staged else "dkv_staged", {"dkv_staged": not shipped.dkv_staged}))
     if shipped.dq_split:
         flips.append(("no dq_split", {"dq_split": False}))
     flips.append(("before", {"stats_early": False, "dq_fence_late": False}))

@@ -140,7 +140,8 @@ class Sm90BwdConfig:
     # Shared-memory dQ tiles per warpgroup (with `dq_writer`): with 2 a warpgroup writes a
     # block's tile while the writer warp's reduce-add may still be reading the previous one, and
     # waits only for the one before that (a FULL and an EMPTY barrier per warpgroup and tile).
-    # Not at head dim 128, where the second tiles would take shared memory to its limit. Same
+    # Not shipped at head dim 128, where the second tiles take shared memory to exactly its limit
+    # (232448 bytes; it compiles without spills, not measured yet: ab_sm90_bwd.py flips it). Same
     # measurements: head dim 96 1.740 -> 1.644 ms, causal 0.971 -> 0.934; at 64 level (1.697 ->
     # 1.694, causal 0.972 -> 0.967).
     dq_stages: int = 1
