@@ -12,7 +12,8 @@ dim heads (21 at 96). Variants of each case (`kernels/sm90/bwd_config.py` says w
 * one variant per schedule flag that the case can flip: `stats_early`, `dq_fence_late` (with the
   dQ writer warp), `overlap_dv`, `dk_after_dq` (where it is on: at head dim 128 turning it on
   serializes the WGMMAs) or else `dk_behind_dq`, `dq_writer` (off, with `dq_fence_late` off and one
-  dQ tile), `dq_stages` (1 where 2 ship, else 2), `lpt` (off, causal), `dkv_staged` and `dq_split` (off);
+  dQ tile), `dq_stages` (1 where 2 ship, else 2), `lpt` (off, causal), `dkv_staged`, `dq_split`
+  (off) and one more Q / dO stage where it fits (head dim 64);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the same preprocess and postprocess kernels (`backward_sm90` with the
@@ -67,9 +68,13 @@ def variants(head_dim: int, causal: bool) -> list:
     if shipped.dq_split:
         flips.append(("no dq_split", {"dq_split": False}))
     flips.append(("before", {"stats_early": False, "dq_fence_late": False}))
+    flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))
     out, seen = [("shipped", shipped)], {shipped}
     for label, change in flips:
-        config = replace(shipped, **change)
+        try:
+            config = replace(shipped, **change)
+        except ValueError:  # e.g. another stage past the shared memory
+            continue
         if config not in seen:  # e.g. `before` where neither flag ships
             out.append((label, config))
             seen.add(config)
