@@ -21,6 +21,7 @@ starts a varlen sequence's up to 3 rows early). It has no deterministic mode yet
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -53,36 +54,39 @@ def sm90_kernel_cache() -> KernelCache:
 
 def configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple:
     """(preprocess, main, postprocess) configurations for a validated call."""
-    from ..kernels.sm80 import bwd_config
-
-    main = bwd_config.make_config(_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], deterministic=deterministic,
-                                  **kernel_flags(args))
-    return _row_kernel_configs(q, v, dlse, args, main)
+    return _configs("sm80", _DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], dlse is not None,
+                    tuple(kernel_flags(args).items()), deterministic)
 
 
 def sm90_configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple:
     """(preprocess, main, postprocess) configurations of `backward_sm90` for a validated call;
     NotImplementedError, saying why, for a call its main kernel does not take."""
-    from ..kernels.sm90 import bwd_config as sm90_bwd_config
-
     if deterministic:
         raise NotImplementedError("deterministic=True: the sm_90 backward kernel has no ordered dQ accumulation")
     if args.page_table is not None:
         raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
-    main = sm90_bwd_config.make_config(_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], **kernel_flags(args))
-    return _row_kernel_configs(q, v, dlse, args, main)
+    return _configs("sm90", _DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], dlse is not None,
+                    tuple(kernel_flags(args).items()), False)
 
 
-def _row_kernel_configs(q, v, dlse, args: AttnArgs, main) -> tuple:
-    """(preprocess, main, postprocess): the sm_80 row kernels around either main kernel."""
+@functools.lru_cache(maxsize=256)
+def _configs(arch: str, dtype: str, head_dim: int, head_dim_v: int, has_dlse: bool, flags: tuple,
+             deterministic: bool) -> tuple:
+    """(preprocess, main, postprocess) for the call's dtype, head dims and kernel flags, built once
+    per such key: a backward asks for them twice (whether the kernel takes the call, then to run
+    it). A call the main kernel refuses raises every time (exceptions are not cached)."""
     from ..kernels.sm80 import bwd_config
+    from ..kernels.sm90 import bwd_config as sm90_bwd_config
 
-    dtype = _DTYPE_NAMES[q.dtype]
-    varlen_q = args.cu_seqlens_q is not None
+    flags = dict(flags)
+    if arch == "sm90":
+        main = sm90_bwd_config.make_config(dtype, head_dim, head_dim_v, **flags)
+    else:
+        main = bwd_config.make_config(dtype, head_dim, head_dim_v, deterministic=deterministic, **flags)
     # the preprocess kernel also clears the dQ accumulator, as wide as the main kernel's tile
-    pre = bwd_config.make_pre_config(dtype, v.shape[-1], varlen_q=varlen_q, has_dlse=dlse is not None,
+    pre = bwd_config.make_pre_config(dtype, head_dim_v, varlen_q=flags["varlen_q"], has_dlse=has_dlse,
                                      dq_accum_cols=main.head_dim)
-    post = bwd_config.make_post_config(dtype, q.shape[-1], varlen_q=varlen_q)
+    post = bwd_config.make_post_config(dtype, head_dim, varlen_q=flags["varlen_q"])
     return pre, main, post
 
 
