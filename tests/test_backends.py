@@ -126,7 +126,8 @@ def test_backward_without_a_kernel_for_the_call_runs_on_the_reference():
     for name in ("cute-sm80", "cute-sm90"):  # cute-sm90 runs its backward on the sm_80 kernels
         assert chosen(name) == name and chosen(name, d=128) == name
         assert chosen(name, d=128, causal=True, deterministic=True) == name
-        assert chosen(name, d=256) == "reference"  # the sm_80 backward kernel stops at 128
+        assert chosen(name, d=256) == name  # the sm_80 backward kernel's column tiles
+        assert chosen(name, d=264) == "reference"  # no tile that wide
     assert chosen("triton") == "triton" and chosen("triton", deterministic=True) == "triton"
     with pytest.raises(NotImplementedError, match="paged"):
         chosen("reference", page_table=torch.zeros(1, 1, dtype=torch.int32))

@@ -18,14 +18,17 @@ from cute_flash.kernels.sm80 import bwd_config as bc  # noqa: E402
 from kernel_flag_cases import FLAG_CASES, expected_flags, flags_of
 
 SM86_SMEM = 99 * 1024
+A100_SMEM = 163 * 1024
 
 
 @pytest.mark.parametrize("headdim", bc.TILE_HEADDIMS)
 def test_tile_table_fits_shared_memory_and_tiles_the_warps(headdim):
     config = bc.make_config("bfloat16", headdim, headdim)
-    assert config.smem_bytes <= SM86_SMEM
+    # head dims up to 128 run on every sm_80+ part; 256 (full Q, K, V, dO tiles) on the A100 and up
+    assert config.smem_bytes <= (SM86_SMEM if headdim <= 128 else A100_SMEM)
     assert config.tile_n == 16 * config.num_warps
     assert config.tile_m % (16 * config.dq_warps_m) == 0
+    assert config.dk_cols <= 128 and config.dv_cols <= 128  # the registers of head dim 128 at most
 
 
 @pytest.mark.parametrize("d,tile", [(8, 64), (64, 64), (72, 96), (96, 96), (120, 128), (128, 128)])
@@ -34,12 +37,25 @@ def test_headdims_pad_up_to_the_next_tile(d, tile):
     assert (config.head_dim, config.check_hdim, config.check_hdim_v) == (tile, d != tile, d != tile)
 
 
-@pytest.mark.parametrize("d", [136, 192, 256])
-def test_headdims_above_128_are_refused_by_name(d):
-    with pytest.raises(NotImplementedError, match=str(d)):
-        bc.make_config("bfloat16", d, d)
-    with pytest.raises(NotImplementedError, match=str(d)):
-        bc.make_config("bfloat16", 64, d)
+@pytest.mark.parametrize("d,dv,cols", [(136, 136, (128, 128)), (192, 192, (128, 128)), (256, 256, (128, 128)),
+                                        (256, 128, (128, 64)), (128, 192, (64, 128))])
+def test_headdims_above_128_split_dk_dv_and_dq_over_two_ctas(d, dv, cols):
+    config = bc.make_config("bfloat16", d, dv)
+    assert config.col_tiles == 2 and (config.dk_cols, config.dv_cols) == cols
+    assert (config.check_hdim, config.check_hdim_v) == (d not in (128, 256), dv not in (128, 256))
+    assert config.name.split("_")[4].endswith("c2")
+
+
+@pytest.mark.parametrize("d,dv", [(264, 264), (256, 64), (64, 200), (96, 256)])
+def test_head_dims_the_backward_cannot_tile_are_refused_by_name(d, dv):
+    # above 256 there is no tile; a 32- or 48-column share of a 64- or 96-column tile is not whole panels
+    with pytest.raises(NotImplementedError, match=f"{max(d, dv)}"):
+        bc.make_config("bfloat16", d, dv)
+
+
+def test_column_tiles_must_be_whole_panels():
+    with pytest.raises(ValueError, match="panels"):
+        replace(bc.make_config("bfloat16", 256, 256), head_dim_v=64)
 
 
 def test_pre_and_post_tiles_round_up_to_64_columns():
@@ -51,7 +67,7 @@ def test_pre_and_post_tiles_round_up_to_64_columns():
 
 def test_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 14  # each one is compiled and audited in CI
+    assert len(configs) <= 20  # each one is compiled and audited in CI
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -106,13 +122,28 @@ def test_deterministic_mode_has_its_own_kernel():
     assert CuteSm80Backend().backward_refusal(q, q, q, AttnArgs(0.1), True) is None
 
 
-def test_backward_refuses_headdim_256_by_name():
+def test_backward_refuses_head_dims_it_cannot_tile_by_name():
     from cute_flash.backends.cute import CuteSm80Backend
     from cute_flash.backends.cute_bwd import backward
 
-    q = _q(256)
+    q, v = _q(256), _q(64)
     with pytest.raises(NotImplementedError, match="256"):
-        backward(CuteSm80Backend(), q, q, q, q, q, torch.zeros(1, 1, 8), None, q, q, q, AttnArgs(0.1), False)
+        backward(CuteSm80Backend(), q, q, v, v, v, torch.zeros(1, 1, 8), None, q, q, v, AttnArgs(0.1), False)
+
+
+def test_backward_refuses_a_gpu_without_the_shared_memory_of_its_tile(monkeypatch):
+    """Head dim 256 needs 100 KB per CTA: an sm_86 / sm_89 part (99 KB) gets a refusal saying so,
+    and its backward goes to the reference backend; head dim 128 still fits."""
+    from cute_flash.backends import cute_bwd
+    from cute_flash.backends.cute import CuteSm80Backend, CuteSm90Backend
+
+    monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: SM86_SMEM)
+    q256, q128 = _q(256), _q(128)
+    for backend in (CuteSm80Backend(), CuteSm90Backend()):
+        assert "shared memory" in backend.backward_refusal(q256, q256, q256, AttnArgs(0.1), False)
+        assert backend.backward_refusal(q128, q128, q128, AttnArgs(0.1), False) is None
+    monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: A100_SMEM)
+    assert CuteSm80Backend().backward_refusal(q256, q256, q256, AttnArgs(0.1), False) is None
 
 
 def test_backward_is_offered_on_sm80_and_on_sm90_through_the_sm80_kernels():
@@ -123,8 +154,9 @@ def test_backward_is_offered_on_sm80_and_on_sm90_through_the_sm80_kernels():
     q = _q()
     # cute-sm90 asks the sm_80 kernels, which take the call or say why not
     assert CuteSm90Backend().backward_refusal(q, q, q, AttnArgs(0.1), False) is None
-    q256 = torch.zeros(1, 8, 2, 256, dtype=torch.float16)
-    assert "256" in CuteSm90Backend().backward_refusal(q256, q256, q256, AttnArgs(0.1), False)
+    q256, v64 = torch.zeros(1, 8, 2, 256, dtype=torch.float16), torch.zeros(1, 8, 2, 64, dtype=torch.float16)
+    assert CuteSm90Backend().backward_refusal(q256, q256, q256, AttnArgs(0.1), False) is None
+    assert "256" in CuteSm90Backend().backward_refusal(q256, q256, v64, AttnArgs(0.1), False)
 
 
 def test_kernel_cache_builds_backward_configs_through_the_config_module(tmp_path, monkeypatch):
@@ -157,6 +189,9 @@ MAIN_COMPILED = [
     ("sm_80", bc.make_config("bfloat16", 128, 128, causal=True, varlen_q=True, varlen_k=True, seqused_k=True)),
     ("sm_80", bc.make_config("bfloat16", 72, 72, local=True, softcap=True)),
     ("sm_90a", bc.make_config("bfloat16", 128, 128, causal=True)),
+    # column tiles (two CTAs per key block) above head dim 128
+    ("sm_80", bc.make_config("bfloat16", 192, 128, causal=True, deterministic=True)),
+    ("sm_90a", bc.make_config("float16", 256, 256, local=True, softcap=True, varlen_q=True, varlen_k=True)),
 ]
 ROW_KERNELS_COMPILED = [
     ("sm_80", bc.make_pre_config("bfloat16", 80, varlen_q=True, has_dlse=True)),

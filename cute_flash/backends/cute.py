@@ -396,10 +396,10 @@ class _CuteBackend(Backend):
         backward(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args, deterministic)
 
     def backward_refusal(self, q, k, v, args: AttnArgs, deterministic: bool) -> Optional[str]:
-        from .cute_bwd import configs
+        from .cute_bwd import check_smem, configs
 
         try:
-            configs(q, k, v, None, args)
+            check_smem(configs(q, k, v, None, args, deterministic)[1], q.device)
         except NotImplementedError as exc:
             return str(exc)
         return None

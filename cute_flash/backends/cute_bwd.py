@@ -90,6 +90,24 @@ def _configs(arch: str, dtype: str, head_dim: int, head_dim_v: int, has_dlse: bo
     return pre, main, post
 
 
+def _smem_optin(device: torch.device) -> Optional[int]:
+    """Shared memory one CTA may opt into on `device`; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def check_smem(main, device: torch.device) -> None:
+    """NotImplementedError, saying so, when the main kernel's CTA needs more shared memory than
+    `device` gives one (the sm_80 kernel above head dim 128 on an sm_86 / sm_89 part)."""
+    limit = _smem_optin(device)
+    if limit is not None and main.smem_bytes > limit:
+        raise NotImplementedError(
+            f"the backward kernel {main.name} needs {main.smem_bytes} bytes of shared memory per CTA; "
+            f"this GPU gives at most {limit}"
+        )
+
+
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it (unit last stride, 16-byte aligned rows and base),
     else a contiguous copy; an incoming gradient may be an expanded (stride-0) view."""
@@ -146,6 +164,7 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
     if args.page_table is not None:
         raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
     pre, main, post = configs(q, k, v, dlse, args, deterministic)  # raises for head dims the kernel lacks
+    check_smem(main, q.device)
     if _without_launch(q, k, dq, dk, dv, args):
         return
     num_batch, max_seqlen_q, max_seqlen_k = _sizes(q, k, args)
@@ -156,8 +175,9 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
     lse_log2 = torch.empty_like(lse)
     delta = torch.empty_like(lse)
     dq_accum = torch.empty(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)  # cleared by `pre`
-    # deterministic: one turn counter per (batch, head, query block)
-    dq_sem = (torch.zeros(num_batch, q.shape[-2], -(-max_seqlen_q // main.tile_m), dtype=torch.int32, device=q.device)
+    # deterministic: one turn counter per (batch, head, query block, column tile)
+    dq_sem = (torch.zeros(num_batch, q.shape[-2], -(-max_seqlen_q // main.tile_m) * main.col_tiles,
+                          dtype=torch.int32, device=q.device)
               if deterministic else None)
 
     fn_main, _ = kernel_cache().get(main, backend.arch(q.device))

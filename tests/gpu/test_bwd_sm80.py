@@ -65,7 +65,7 @@ def _args(d, **kw):
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seqlen_q, seqlen_k):
     torch.manual_seed(seqlen_q * 7 + seqlen_k + d)
@@ -76,7 +76,7 @@ def test_bwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seqlen_q,
 
 @pytest.mark.parametrize("nheads,nheads_k", [(6, 2), (8, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_bwd_gqa_and_mqa_sum_dk_dv_over_the_group(d, nheads, nheads_k, causal):
     torch.manual_seed(nheads * 10 + nheads_k + d)
     q = torch.randn(3, 257, nheads, d, dtype=torch.bfloat16, device="cuda")
@@ -86,7 +86,7 @@ def test_bwd_gqa_and_mqa_sum_dk_dv_over_the_group(d, nheads, nheads_k, causal):
 
 @pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (500, 130), (239, 1)])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_bwd_sliding_window(d, seqlen_q, seqlen_k, window):
     torch.manual_seed(sum(window) + seqlen_q + d)
     q = torch.randn(2, seqlen_q, 2, d, dtype=torch.bfloat16, device="cuda")
@@ -95,7 +95,7 @@ def test_bwd_sliding_window(d, seqlen_q, seqlen_k, window):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_bwd_softcap_chain_rule(d, causal):
     torch.manual_seed(d + causal)
     q = torch.randn(2, 333, 3, d, dtype=torch.bfloat16, device="cuda") * 3
@@ -105,7 +105,7 @@ def test_bwd_softcap_chain_rule(d, causal):
 
 @pytest.mark.parametrize("seqused", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_bwd_varlen_and_seqused_k(d, causal, seqused):
     torch.manual_seed(d + causal + 2 * seqused)
     seqlens_q = [1, 0, 113, 239, 300, 64, 7]
@@ -120,7 +120,7 @@ def test_bwd_varlen_and_seqused_k(d, causal, seqused):
     _check(q, k, v, args)
 
 
-@pytest.mark.parametrize("d,dv", [(128, 64), (64, 128), (40, 96), (80, 80)])
+@pytest.mark.parametrize("d,dv", [(128, 64), (64, 128), (40, 96), (80, 80), (256, 128), (128, 192), (160, 200)])
 def test_bwd_headdim_v_differs_and_padded_headdims(d, dv):
     torch.manual_seed(d + dv)
     q = randn_in_nan((2, 211, 4, d), torch.float16, row_dim=1, pad_rows=3, pad_cols=8)
@@ -169,6 +169,8 @@ DETERMINISTIC_CASES = {
     "causal_gqa_hd128": dict(d=128, nheads=8, nheads_k=2, seqlen_q=700, seqlen_k=1500, mask=dict(causal=True, window_right=0)),
     "plain_hd64": dict(d=64, nheads=4, nheads_k=4, seqlen_q=1024, seqlen_k=1024, mask={}),
     "local_hd96": dict(d=96, nheads=4, nheads_k=1, seqlen_q=900, seqlen_k=1300, mask=dict(window_left=100, window_right=30)),
+    # two CTAs per key block (column tiles), each with its own turn counters
+    "causal_gqa_hd256": dict(d=256, nheads=4, nheads_k=2, seqlen_q=500, seqlen_k=700, mask=dict(causal=True, window_right=0)),
 }
 
 
@@ -195,8 +197,9 @@ def test_bwd_deterministic_is_the_oracle_and_the_same_every_run(case):
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again)), "deterministic backward differs between runs"
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_sm90_backend_backward_directly_and_through_autograd(causal):
+def test_the_sm90_backend_backward_directly_and_through_autograd(causal, d):
     """cute-sm90's backward (its own sm_90 kernel where that takes the call, these kernels
     otherwise): directly, and through autograd on `cute_flash.attention`."""
     import cute_flash
@@ -204,9 +207,9 @@ def test_the_sm90_backend_backward_directly_and_through_autograd(causal):
 
     sm90 = _backend(CuteSm90Backend)
     torch.manual_seed(11)
-    q = torch.randn(2, 333, 8, 128, dtype=torch.bfloat16, device="cuda")
-    k, v = nan_framed_kv(2, 517, 2, 128, 128, torch.bfloat16)
-    args = _args(128, causal=causal, window_right=0 if causal else -1)
+    q = torch.randn(2, 333, 8, d, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(2, 517, 2, d, d, torch.bfloat16)
+    args = _args(d, causal=causal, window_right=0 if causal else -1)
     _check(q, k, v, args, backend=sm90)
     qa, ka, va = (x.detach().clone().requires_grad_() for x in (q, k, v))
     out = cute_flash.attention(qa, ka, va, causal=causal, backend="cute-sm90")
@@ -217,7 +220,7 @@ def test_the_sm90_backend_backward_directly_and_through_autograd(causal):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_bwd_buffers_it_allocates_may_hold_anything(monkeypatch, d, varlen):
     """Gradients match the oracle with every fresh float buffer NaN-filled (`poisoned_backward_case`)."""
     q, k, v, kw = poisoned_backward_case(monkeypatch, d, varlen)

@@ -17,7 +17,10 @@ MMA in the A-operand layout of the key-side products and never touch shared memo
     dQ   = dS K                      (dS^T staged in shared memory, read transposed; B = K^T)
 
 dQ of the query block is added to an fp32 accumulator in global memory with `red.add` (the
-preprocess kernel cleared it; the postprocess kernel scales and rounds it). The softmax scale is
+preprocess kernel cleared it; the postprocess kernel scales and rounds it). Above head dim 128
+the CTAs of a key block split the columns of dK, dV and dQ (`col_tiles`, see `bwd_config`):
+S^T and dP^T take all of Q, K, V and dO, the three accumulating products only the CTA's columns
+of dO, Q and K. The softmax scale is
 applied once: to dK here and to dQ in the postprocess.
 
 Tails: Q and dO rows past seqlen_q are zero-filled and their LSE_log2 is +inf, so their P and
@@ -128,7 +131,7 @@ class FlashBwdSm80:
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
             gmem_copy_QK, gmem_copy_VdO, tiled_mma, tiled_mma_dq, SharedStorage,
         ).launch(
-            grid=[num_n_blocks, num_heads_k, num_batch],
+            grid=[num_n_blocks * cfg.col_tiles, num_heads_k, num_batch],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -172,10 +175,14 @@ class FlashBwdSm80:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_k, batch = cute.arch.block_idx()
+        col_block = 0  # the CTA's column tile of dK, dV and dQ
+        if cutlass.const_expr(cfg.col_tiles > 1):
+            col_block = n_block % cfg.col_tiles
+            n_block = n_block // cfg.col_tiles
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         if n_block * cfg.tile_n < seqlen.seqlen_k:
             self.key_block(
-                mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, seqlen, n_block, head_k, batch, tidx,
+                mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, seqlen, n_block, col_block, head_k, batch, tidx,
                 softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
                 sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                 gmem_copy_QK, gmem_copy_VdO, tiled_mma, tiled_mma_dq, SharedStorage,
@@ -184,7 +191,7 @@ class FlashBwdSm80:
     @cute.jit
     def key_block(
         self,
-        mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, seqlen: SeqlenInfo, n_block, head_k, batch, tidx,
+        mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, seqlen: SeqlenInfo, n_block, col_block, head_k, batch, tidx,
         softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
         sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
         gmem_copy_QK, gmem_copy_VdO, tiled_mma, tiled_mma_dq, SharedStorage: cutlass.Constexpr,
@@ -206,9 +213,10 @@ class FlashBwdSm80:
         sdS = storage.sdS.get_tensor(sdS_layout)
         sLSE = storage.sLSE.get_tensor(cute.make_layout(cfg.tile_m))
         sD = storage.sD.get_tensor(cute.make_layout(cfg.tile_m))
-        sQt = cute.make_tensor(sQ.iterator, smem_layout_transposed(bits, cfg.tile_m, cfg.head_dim))
-        sdOt = cute.make_tensor(sdO.iterator, smem_layout_transposed(bits, cfg.tile_m, cfg.head_dim_v))
-        sKt = cute.make_tensor(sK.iterator, smem_layout_transposed(bits, cfg.tile_n, cfg.head_dim))
+        # the operands of the accumulating products: this CTA's columns of Q, dO and K, transposed
+        sQt = self.col_tile_t(sQ, cfg.tile_m, cfg.dk_cols, col_block)
+        sdOt = self.col_tile_t(sdO, cfg.tile_m, cfg.dv_cols, col_block)
+        sKt = self.col_tile_t(sK, cfg.tile_n, cfg.dk_cols, col_block)
         sdSt = cute.make_tensor(sdS.iterator, smem_layout_transposed(bits, cfg.tile_n, cfg.tile_m))
 
         # ---- gmem -> smem copies of this CTA's K and V (once) ----
@@ -263,8 +271,8 @@ class FlashBwdSm80:
         # this thread's (key, query) coordinates inside an S^T tile
         tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_n, cfg.tile_m))))
 
-        acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((cfg.tile_n, cfg.head_dim_v)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((cfg.tile_n, cfg.dk_cols)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((cfg.tile_n, cfg.dv_cols)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
@@ -357,16 +365,17 @@ class FlashBwdSm80:
             # ---- dQ = dS K, added to the fp32 accumulator ----
             cute.copy(smem_copy_dS, smem_copy_dS.retile(rdS), tdSsdS)
             cute.arch.barrier()
-            acc_dQ = cute.make_rmem_tensor(thr_mma_dq.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+            acc_dQ = cute.make_rmem_tensor(thr_mma_dq.partition_shape_C((cfg.tile_m, cfg.dk_cols)), Float32)
             acc_dQ.fill(0.0)
             gemm_ss(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt, smem_copy_dq_At, smem_copy_dq_Bt)
-            gdQ = cute.local_tile(seqlen.q_rows(mdQaccum, batch, head), (cfg.tile_m, cfg.head_dim), (m_block, 0))
+            gdQ = cute.local_tile(seqlen.q_rows(mdQaccum, batch, head), (cfg.tile_m, cfg.dk_cols), (m_block, col_block))
             tdQgdQ = thr_mma_dq.partition_C(gdQ)
-            tdQcdQ = thr_mma_dq.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
+            tdQcdQ = thr_mma_dq.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.dk_cols)))
             sem_ptr, turn = None, None
             if cutlass.const_expr(cfg.deterministic):
                 # this CTA's turn at the query block: the key blocks that see it add in order
-                sem_ptr = elem_pointer(mdQsem, (batch, head, m_block))
+                # (one turn counter per column tile: their additions touch different columns)
+                sem_ptr = elem_pointer(mdQsem, (batch, head, m_block * cfg.col_tiles + col_block))
                 turn = n_block - self.first_key_block(m_block, offset, left)
                 if tidx == 0:
                     while cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu") != turn:
@@ -387,9 +396,21 @@ class FlashBwdSm80:
         cute.arch.cp_async_wait_group(0)  # K and V land even when no query block sees them
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
             acc_dK[i] = acc_dK[i] * softmax_scale
-        self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, headdim, cfg.check_hdim, thr_mma)
-        self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, headdim_v, cfg.check_hdim_v,
-                        thr_mma)
+        self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, col_block, cfg.dk_cols, headdim,
+                        cfg.check_hdim, thr_mma)
+        self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, col_block, cfg.dv_cols, headdim_v,
+                        cfg.check_hdim_v, thr_mma)
+
+    @cute.jit
+    def col_tile_t(self, sX: cute.Tensor, rows: cutlass.Constexpr, cols: cutlass.Constexpr, col_block) -> cute.Tensor:
+        """The transposed (cols, rows) view of column tile `col_block` of a (rows, cols * col_tiles)
+        shared-memory tile. The tile's 64-column panels lie one after the other (rows first, see
+        `smem_layouts`), so a column tile is a tile of `cols` columns of its own starting
+        `col_block * rows * cols` elements in, swizzled alike (a multiple of the 8-row atom)."""
+        base = sX.iterator
+        if cutlass.const_expr(self.cfg.col_tiles > 1):
+            base = base + cute.assume(col_block * (rows * cols), divby=rows * cols)
+        return cute.make_tensor(base, smem_layout_transposed(self.dtype.width, rows, cols))
 
     @cute.jit
     def first_key_block(self, m_block, offset, left):
@@ -406,19 +427,20 @@ class FlashBwdSm80:
         return first
 
     @cute.jit
-    def store_rows(self, acc, mX, seqlen: SeqlenInfo, batch, head_k, n_block, tile_d: cutlass.Constexpr, d,
-                   check_d: cutlass.Constexpr, thr_mma):
-        """Round an fp32 (tile_n, tile_d) accumulator to the input dtype (RNE) and store its valid part."""
+    def store_rows(self, acc, mX, seqlen: SeqlenInfo, batch, head_k, n_block, col_block, tile_d: cutlass.Constexpr,
+                   d, check_d: cutlass.Constexpr, thr_mma):
+        """Round an fp32 (tile_n, tile_d) accumulator, column tile `col_block`, to the input dtype
+        (RNE) and store its valid part."""
         cfg = self.cfg
         r = cute.make_fragment_like(acc, self.dtype)
         r.store(acc.load().to(self.dtype))
-        gX = cute.local_tile(seqlen.k_rows(mX, batch, head_k), (cfg.tile_n, tile_d), (n_block, 0))
+        gX = cute.local_tile(seqlen.k_rows(mX, batch, head_k), (cfg.tile_n, tile_d), (n_block, col_block))
         tXgX = thr_mma.partition_C(gX)
         tXcX = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_n, tile_d)))
         rows = seqlen.seqlen_k - n_block * cfg.tile_n
         for i in cutlass.range_constexpr(cute.size(r)):
             ok = tXcX[i][0] < rows
             if cutlass.const_expr(check_d):
-                ok = ok & (tXcX[i][1] < d)
+                ok = ok & (tXcX[i][1] + col_block * tile_d < d)
             if ok:
                 tXgX[i] = r[i]

@@ -14,9 +14,17 @@ and 128 take 128 keys per CTA with 8 warps, which costs no registers per thread 
 with 4 warps and halves the loads of Q, dO, LSE and D and the dQ additions per key: on an H200
 (bf16, 2 x 8192 x 16 heads, forward + backward through `cute_flash.attention`) hd128 went from
 194.8 to 216.5 TFLOP/s. Every entry compiles with zero spills for sm_80 and sm_90a with all
-feature flags on. Head dims 192 and 256 would need dK and dV staged through shared memory or
-split over more CTAs, which this kernel does not do, so they are refused by name
-(`UnsupportedHeadDim`).
+feature flags on.
+
+Head dims above 128 (padded to 256) split dK, dV and dQ over the columns (`col_tiles`): the CTAs
+of a key block each take `head_dim / col_tiles` columns of dK and dQ and `head_dim_v / col_tiles`
+of dV, so each keeps the registers of a head dim of 128, and each computes S^T and dP^T over all
+of d and dv (their share of those two products is done `col_tiles` times). Each column slice is
+a whole number of 64-column swizzle panels of the shared-memory tiles (`smem_layouts`), so a
+slice is the tile's own bytes from an offset, with the same swizzle; a pair of head dims whose
+slices would not be (256 with 64) is refused by name (`UnsupportedHeadDim`). Its shared memory
+(100 KB: the full K, V, Q and dO tiles) fits the A100 and the H100 / H200, not the 99 KB of
+sm_86 / sm_89 parts, whose backward then goes to the reference backend (`check_smem`).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from ..common.fake_tensors import (element_type, fake_int_vector, fake_sequence_
                                    fake_tokens)
 from ..common.tiles import check_attention_config, pad_headdim
 
-TILE_HEADDIMS = (64, 96, 128)
+TILE_HEADDIMS = (64, 96, 128, 256)
 DTYPES = ("float16", "bfloat16")
 
 
@@ -37,6 +45,7 @@ class BwdTile(NamedTuple):
     tile_n: int  # keys per CTA (16 per warp)
     num_warps: int
     dq_warps_m: int  # warps along the query rows of the dQ MMA (the rest split the head dim)
+    col_tiles: int = 1  # CTAs per key block, each with its share of the columns of dK, dV and dQ
 
 
 # keyed by the padded max(head_dim, head_dim_v)
@@ -44,7 +53,10 @@ TILES = {
     64: BwdTile(64, 128, 8, 4),
     96: BwdTile(32, 64, 4, 2),
     128: BwdTile(32, 128, 8, 2),
+    256: BwdTile(32, 64, 4, 2, col_tiles=2),
 }
+# the columns of a swizzle panel of a 16-bit tile whose rows are a multiple of 128 bytes
+PANEL_COLS = 64
 
 
 class UnsupportedHeadDim(NotImplementedError):
@@ -75,8 +87,9 @@ class Sm80BwdConfig:
     varlen_k: bool = False
     seqused_k: bool = False
     # dQ added in key-block order, one CTA at a time per query block (a semaphore per
-    # (batch, head, query block)), so that its fp32 sums are the same on every run
+    # (batch, head, query block, column tile)), so that its fp32 sums are the same on every run
     deterministic: bool = False
+    col_tiles: int = 1  # see the module docstring
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -86,6 +99,20 @@ class Sm80BwdConfig:
             raise ValueError(
                 f"dq_warps_m={self.dq_warps_m} does not tile {self.tile_m} rows with {self.num_warps} warps"
             )
+        if self.col_tiles > 1 and (self.head_dim % (PANEL_COLS * self.col_tiles)
+                                   or self.head_dim_v % (PANEL_COLS * self.col_tiles)):
+            raise ValueError(f"col_tiles={self.col_tiles} must cut head dims {self.head_dim} and {self.head_dim_v} "
+                             f"into whole {PANEL_COLS}-column panels")
+
+    @property
+    def dk_cols(self) -> int:
+        """Columns of dK and dQ one CTA computes."""
+        return self.head_dim // self.col_tiles
+
+    @property
+    def dv_cols(self) -> int:
+        """Columns of dV one CTA computes."""
+        return self.head_dim_v // self.col_tiles
 
     @property
     def smem_bytes(self) -> int:
@@ -105,6 +132,8 @@ class Sm80BwdConfig:
             flags.append("paddedv")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}w{self.num_warps}q{self.dq_warps_m}"
+        if self.col_tiles > 1:
+            tile += f"c{self.col_tiles}"
         return "_".join(["bwd_sm80", self.dtype, hd, tile] + flags)
 
 
@@ -170,9 +199,14 @@ def make_post_config(dtype: str, head_dim: int, varlen_q: bool) -> Sm80BwdPostCo
 
 
 def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80BwdConfig:
-    """The configuration for actual head dims (multiples of 8 up to 128) and feature flags."""
+    """The configuration for actual head dims (multiples of 8 up to 256) and feature flags."""
     hd, hdv = (pad_headdim(d, TILE_HEADDIMS, UnsupportedHeadDim) for d in (head_dim, head_dim_v))
     tile = TILES[max(hd, hdv)]
+    if tile.col_tiles > 1 and min(hd, hdv) % (PANEL_COLS * tile.col_tiles):
+        raise UnsupportedHeadDim(
+            f"the sm_80 backward kernel splits head dims above 128 into {tile.col_tiles} column tiles of whole "
+            f"{PANEL_COLS}-column panels; head dims {head_dim} (Q, K) and {head_dim_v} (V) do not split so"
+        )
     return Sm80BwdConfig(
         dtype=dtype,
         head_dim=hd,
@@ -181,6 +215,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80BwdC
         tile_n=tile.tile_n,
         num_warps=tile.num_warps,
         dq_warps_m=tile.dq_warps_m,
+        col_tiles=tile.col_tiles,
         check_hdim=hd != head_dim,
         check_hdim_v=hdv != head_dim_v,
         **flags,
@@ -188,14 +223,14 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80BwdC
 
 
 def shipped_configs() -> list:
-    """Head dims 64 and 128 in fp16 (no mask) and bf16 (causal), one of each feature variant, and
-    the preprocess / postprocess kernels (whose tiles are 64 or 128 columns wide).
+    """Head dims 64, 128 and 256 in fp16 (no mask) and bf16 (causal), one of each feature
+    variant, and the preprocess / postprocess kernels (whose tiles are 64 to 256 columns wide).
 
     Feature flags change code paths but not the tile, so one head dim per variant shows that the
     path compiles without spills; CI compiles every entry.
     """
-    configs = [make_config("float16", d, d) for d in (64, 128)]
-    configs += [make_config("bfloat16", d, d, causal=True) for d in (64, 128)]
+    configs = [make_config("float16", d, d) for d in (64, 128, 256)]
+    configs += [make_config("bfloat16", d, d, causal=True) for d in (64, 128, 256)]
     base = make_config("bfloat16", 128, 128)
     configs += [
         make_config("bfloat16", 96, 96, causal=True),
@@ -208,6 +243,9 @@ def shipped_configs() -> list:
         make_pre_config("float16", 96, varlen_q=True, has_dlse=True, dq_accum_cols=96),
         make_post_config("bfloat16", 128, varlen_q=False),
         make_post_config("float16", 96, varlen_q=True),
+        make_config("bfloat16", 192, 128, local=True, softcap=True, deterministic=True),
+        make_pre_config("bfloat16", 256, varlen_q=False, has_dlse=False, dq_accum_cols=256),
+        make_post_config("bfloat16", 256, varlen_q=False),
     ]
     return configs
 
