@@ -367,8 +367,8 @@ def backward_backend(call: Call, q, k, v, deterministic: bool) -> Backend:
     """The backend that runs the backward of a validated call.
 
     A backend without a GPU-verified backward kernel, or whose kernel cannot take this call
-    (`Backend.backward_refusal`: the sm_80 kernel has head dims up to 128 and no deterministic
-    mode), hands its backward to the reference backend, on the same device: exact and
+    (`Backend.backward_refusal`: the sm_80 kernels stop at head dim 256 and, above 128, need
+    100 KB of shared memory per CTA), hands its backward to the reference backend, on the same device: exact and
     memory-bounded, but PyTorch-speed. `backend_info()` and the README's feature matrix say which
     backends do so.
     """
