@@ -17,11 +17,10 @@ MMA in the A-operand layout of the key-side products and never touch shared memo
     dQ   = dS K                      (dS^T staged in shared memory, read transposed; B = K^T)
 
 dQ of the query block is added to an fp32 accumulator in global memory with `red.add` (the
-preprocess kernel cleared it; the postprocess kernel scales and rounds it). Above head dim 128
-the CTAs of a key block split the columns of dK, dV and dQ (`col_tiles`, see `bwd_config`):
-S^T and dP^T take all of Q, K, V and dO, the three accumulating products only the CTA's columns
-of dO, Q and K. The softmax scale is
-applied once: to dK here and to dQ in the postprocess.
+preprocess kernel cleared it; the postprocess kernel scales and rounds it). The softmax scale is
+applied once: to dK here and to dQ in the postprocess. Above head dim 128 the CTAs of a key
+block split the columns of dK, dV and dQ (`col_tiles`, see `bwd_config`): S^T and dP^T take all
+of Q, K, V and dO, the three accumulating products only the CTA's columns of dO, Q and K.
 
 Tails: Q and dO rows past seqlen_q are zero-filled and their LSE_log2 is +inf, so their P and
 dS are 0, and their dQ is not added. K and V rows past seqlen_k are zero-filled and their P is
@@ -191,7 +190,8 @@ class FlashBwdSm80:
     @cute.jit
     def key_block(
         self,
-        mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, seqlen: SeqlenInfo, n_block, col_block, head_k, batch, tidx,
+        mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, seqlen: SeqlenInfo, n_block, col_block, head_k, batch,
+        tidx,
         softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
         sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
         gmem_copy_QK, gmem_copy_VdO, tiled_mma, tiled_mma_dq, SharedStorage: cutlass.Constexpr,
