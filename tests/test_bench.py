@@ -367,6 +367,31 @@ def test_tile_candidates_parse_and_replace_only_the_tile():
     assert bad is None and "64 per consumer warpgroup" in why
 
 
+def test_bwd_tile_candidates_replace_only_the_tile_and_restore_the_table():
+    import argparse
+
+    import tune_bwd_tiles  # noqa: E402  (benchmarks/ is on sys.path above)
+    from cute_flash.backends.base import AttnArgs
+    from cute_flash.backends.cute_bwd import configs as call_configs
+    from cute_flash.kernels.sm80 import bwd_config as bc
+
+    shipped_tile = bc.TILES[256]
+    assert tune_bwd_tiles.parse_candidate("32x128w8q2", shipped_tile) == shipped_tile._replace(
+        tile_n=128, num_warps=8)
+    with pytest.raises(ValueError, match="MxNwWqQ"):
+        tune_bwd_tiles.parse_candidate("32x128w8", shipped_tile)
+    args = argparse.Namespace(dtype="bfloat16", head_dim=192, causal=True, candidates=["32x128w8q2", "32x100w8q2"])
+    (label, _, shipped, _), (_, tile, tuned, _), (_, _, bad, why) = tune_bwd_tiles.configs(args)
+    assert label == "shipped" and shipped == bc.make_config("bfloat16", 192, 192, causal=True)
+    assert (tuned.tile_n, tuned.num_warps, tuned.col_tiles, tuned.causal, tuned.check_hdim) == (128, 8, 2, True, True)
+    assert bad is None and "16 per warp" in why
+    # the backend's own host path sees the candidate inside with_tile, and the shipped tile after
+    q = torch.empty(1, 8, 1, 256, dtype=torch.bfloat16)
+    inside = tune_bwd_tiles.with_tile(256, tile, lambda: call_configs(q, q, q, None, AttnArgs(0.1))[1])
+    assert inside.tile_n == 128 and bc.TILES[256] == shipped_tile
+    assert call_configs(q, q, q, None, AttnArgs(0.1))[1].tile_n == shipped_tile.tile_n
+
+
 def replace_tile(config, like):
     from dataclasses import replace
 

@@ -1,0 +1,177 @@
+"""Try sm_80 backward tile shapes the tile table does not ship: spills on the CPU, speed on a GPU.
+
+    python benchmarks/tune_bwd_tiles.py --head-dim 256 --compile-only          # CPU: registers, spills
+    python benchmarks/tune_bwd_tiles.py --head-dim 256 --candidates 32x128w8q2  # GPU: check, then time
+
+A candidate is `MxNwWqQ`: M query rows per step, N keys per CTA, W warps (N = 16 W) and Q warps
+along the rows of the dQ product, e.g. `32x128w8q2`. It replaces the tile of the head dim in
+`bwd_config.TILES` (keeping its column tiles), so it runs through the backend's own host path
+(`cute_bwd.backward`: preprocess, main kernel, postprocess) and differs from the shipped kernel in
+the tile alone. The shipped tile is always measured too, as the baseline.
+
+`--compile-only` audits each candidate (no GPU needed): registers, spill bytes, shared memory. On
+a GPU each candidate is first checked against the float32 reference backward on a small problem
+with odd lengths (dq, dk and dv by the benchmark's tolerance rule; a wrong kernel is reported and
+not timed), then its `bwd` (all three kernels) is timed with `triton.testing.do_bench` on
+batch x seqlen x heads (default 2 x 4096 x 16) against the GPU's shared memory per CTA: a
+candidate that needs more is reported, not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)q(\d+)$")
+
+
+def parse_candidate(spec: str, shipped):
+    """`32x128w8q2` -> the shipped tile with those fields."""
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise ValueError(f"candidate {spec!r} is not MxNwWqQ (e.g. 32x128w8q2)")
+    tile_m, tile_n, warps, dq_warps_m = (int(g) for g in m.groups())
+    return shipped._replace(tile_m=tile_m, tile_n=tile_n, num_warps=warps, dq_warps_m=dq_warps_m)
+
+
+def configs(args) -> list:
+    """(label, tile or None, config or None, why not): the shipped tile, then each candidate."""
+    from cute_flash.kernels.sm80 import bwd_config as bc
+
+    d = bc.pad_headdim(args.head_dim, bc.TILE_HEADDIMS, bc.UnsupportedHeadDim)
+    shipped = bc.TILES[d]
+    out = []
+    for label, spec in [("shipped", None)] + [(c, c) for c in args.candidates]:
+        try:
+            tile = shipped if spec is None else parse_candidate(spec, shipped)
+            out.append((label, tile, with_tile(d, tile, lambda: bc.make_config(args.dtype, args.head_dim,
+                                                                                args.head_dim, causal=args.causal)),
+                        None))
+        except (ValueError, TypeError) as exc:
+            out.append((label, None, None, str(exc)))
+    return out
+
+
+def with_tile(d: int, tile, fn):
+    """fn() with `bwd_config.TILES[d]` set to `tile` (and the backend's config cache cleared)."""
+    from cute_flash.backends import cute_bwd
+    from cute_flash.kernels.sm80 import bwd_config as bc
+
+    saved = bc.TILES[d]
+    bc.TILES[d] = tile
+    cute_bwd._configs.cache_clear()
+    try:
+        return fn()
+    finally:
+        bc.TILES[d] = saved
+        cute_bwd._configs.cache_clear()
+
+
+def compile_only(args, rows) -> None:
+    from cute_flash.audit import AuditTarget, audit_target
+    from cute_flash.kernels.sm80 import bwd_config as bc
+
+    print(f"{'candidate':<16} {'regs':>5} {'spill st/ld (B)':>16} {'smem (KB)':>10}  note")
+    for label, _, config, why in rows:
+        if config is None:
+            print(f"{label:<16} {'':>5} {'':>16} {'':>10}  invalid: {why}")
+            continue
+        row = audit_target(AuditTarget(config.name, args.arch, lambda opts, c=config: bc.compile_kernel(c, opts)))
+        if row.error:
+            print(f"{label:<16} {'':>5} {'':>16} {'':>10}  does not compile: {row.error}")
+            continue
+        note = "SPILLS" if row.spills else ""
+        print(f"{label:<16} {row.registers or '?':>5} {f'{row.spill_stores or 0}/{row.spill_loads or 0}':>16} "
+              f"{config.smem_bytes / 1024:>10.1f}  {note}", flush=True)
+
+
+def on_gpu(args, rows) -> None:
+    import torch
+    from triton.testing import do_bench
+
+    from bench_lib import within_tolerance
+    from cute_flash.backends import get_backend
+    from cute_flash.backends.base import AttnArgs
+    from cute_flash.backends.cute_bwd import check_smem
+    from cute_flash.backends.reference import reference_attention, reference_attention_backward
+
+    backend = get_backend("cute-sm80")
+    dtype = getattr(torch, args.dtype)
+    d = args.head_dim
+    mask = dict(causal=True, window_right=0) if args.causal else {}
+
+    def problem(b, sq, sk, h, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda", generator=g) for s in (sq, sk, sk))
+        a = AttnArgs(softmax_scale=d ** -0.5, **mask)
+        out, lse = reference_attention(q, k, v, a, compute_dtype=torch.float32)
+        return q, k, v, out.to(dtype), lse.float(), torch.randn(out.shape, dtype=dtype, device="cuda", generator=g), a
+
+    small = problem(2, 333, 517, 2, 0)
+    q, k, v, out, lse, dout, a = small
+    refs = reference_attention_backward(dout, q, k, v, out, lse, None, a, compute_dtype=torch.float32)
+    refs_torch = reference_attention_backward(dout, q, k, v, out, lse, None, a, compute_dtype=dtype)
+    big = problem(args.batch, args.seqlen, args.seqlen, args.heads, 1)
+    flops = 2.5 * 4 * args.batch * args.heads * args.seqlen ** 2 * d / (2 if args.causal else 1)
+    print(f"sm_80 backward hd{d} {args.dtype} {'causal' if args.causal else 'non-causal'}: check on 2 x 333/517 "
+          f"x 2 heads, time on {args.batch} x {args.seqlen} x {args.heads} heads")
+
+    def run(case, grads):
+        q, k, v, out, lse, dout, a = case
+        backend.bwd(dout, q, k, v, out, lse, None, *grads, a, False)
+
+    for label, tile, config, why in rows:
+        if config is None:
+            print(f"{label:<16} invalid: {why}")
+            continue
+        try:
+            check_smem(config, torch.device("cuda"))
+            grads = [torch.full_like(t, math.nan) for t in small[:3]]
+            with_tile(config.head_dim, tile, lambda: run(small, grads))
+            torch.cuda.synchronize()
+            bad = [f"{n} {err:.3g} > {bound:.3g}" for n, g, r, rt in zip("dq dk dv".split(), grads, refs, refs_torch)
+                   for passed, err, bound in [within_tolerance(g, r, rt, dtype)] if not passed]
+            if bad:
+                print(f"{label:<16} WRONG: {'; '.join(bad)}")
+                continue
+            grads = [torch.empty_like(t) for t in big[:3]]
+            ms = with_tile(config.head_dim, tile,
+                           lambda: do_bench(lambda: run(big, grads), warmup=25, rep=100, return_mode="median"))
+            print(f"{label:<16} {ms:8.3f} ms {flops / ms * 1e-9:7.1f} TFLOP/s   ({config.name})", flush=True)
+        except NotImplementedError as exc:
+            print(f"{label:<16} not run: {exc}")
+        except Exception as exc:
+            print(f"{label:<16} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=("sm_80", "sm_90a"), default="sm_90a", help="for --compile-only")
+    p.add_argument("--head-dim", type=int, default=256)
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--candidates", type=lambda s: [c for c in s.split(",") if c], default=None,
+                   help="comma list (default: a few around the shipped tile)")
+    p.add_argument("--compile-only", action="store_true", help="registers and spills only (no GPU needed)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=16)
+    args = p.parse_args(argv)
+    if args.candidates is None:
+        args.candidates = ["32x128w8q2", "64x64w4q4"]
+    rows = configs(args)
+    if args.compile_only:
+        compile_only(args, rows)
+    else:
+        on_gpu(args, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
