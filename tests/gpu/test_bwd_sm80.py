@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from attention_oracle import (
-    backend_or_skip, check_backward, nan_framed_kv, poisoned_backward_case, randn_in_nan,
-    strided_qkv,
+    backend_or_skip, check_backward, inputs_beyond_4gib, nan_framed_kv, poisoned_backward_case,
+    randn_in_nan, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention
@@ -163,6 +163,40 @@ def test_bwd_expanded_dout_is_accepted():
     _backend().bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, False)
     torch.cuda.synchronize()
     check_backward((dq, dk, dv), dout, None, q, k, v, out, lse, args)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_bwd_offsets_beyond_4gib(d):
+    """K, V, dK and dV of more than 2^31 elements: batch 1 starts 4 GiB into each buffer (at head
+    dim 256 too, where two CTAs split each key block's columns). Its dk and dv must be
+    bit-identical to the same call on a copy of batch 1 alone (their sums have a fixed order), and
+    its dq equal up to the order of the atomic fp32 additions; a 32-bit offset wrapping back into
+    batch 0 would give other numbers altogether."""
+    if d == 128:
+        q, k, v = inputs_beyond_4gib()
+    else:  # half the keys of head dim 128's case, still more than 2^31 elements in k and in v
+        torch.manual_seed(6)
+        q = torch.randn(2, 70, 8, d, dtype=torch.bfloat16, device="cuda")
+        k, v = (torch.randn(2, (1 << 19) + 64, 8, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    assert k.numel() > 2**31
+    args = _args(d, causal=True, window_right=0)
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = torch.randn_like(out)
+
+    def run(*tensors):
+        q, k, v, out, lse, dout = tensors
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        _backend().bwd(dout, q, k, v, out, lse, None, *grads, args, False)
+        torch.cuda.synchronize()
+        return grads
+
+    dq, dk, dv = run(q, k, v, out, lse, dout)
+    alone_dq, alone_dk, alone_dv = run(*(t[1:].clone() for t in (q, k, v, out, lse, dout)))
+    assert torch.equal(dk[1:], alone_dk) and torch.equal(dv[1:], alone_dv)
+    scale = alone_dq.abs().max().item()
+    assert scale > 0 and alone_dk.abs().max().item() > 0
+    assert (dq[1:] - alone_dq).abs().max().item() <= 2**-6 * scale
 
 
 DETERMINISTIC_CASES = {
