@@ -94,7 +94,12 @@ def _smem_optin(device: torch.device) -> Optional[int]:
     """Shared memory one CTA may opt into on `device`; None off CUDA."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return _smem_optin_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_optin_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def check_smem(main, device: torch.device) -> None:
