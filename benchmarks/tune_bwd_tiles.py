@@ -53,7 +53,7 @@ def configs(args) -> list:
             out.append((label, tile, with_tile(d, tile, lambda: bc.make_config(args.dtype, args.head_dim,
                                                                                 args.head_dim, causal=args.causal)),
                         None))
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, NotImplementedError) as exc:
             out.append((label, None, None, str(exc)))
     return out
 
