@@ -63,6 +63,51 @@ def ab_cases(parser, opts, head_dims: Sequence[int]) -> list:
     return [(d, causal) for d in opts.head_dims for causal in masks]
 
 
+def tile_tuning_main(parser, argv, seqlen: int, default_candidates, rows_of, compile_only, on_gpu) -> int:
+    """The tile tuners' command line (`tune_tiles.py`, `tune_bwd_tiles.py`): their own options
+    already on `parser`, the shared ones added (`add_tile_tuning_arguments`); the candidates
+    default to `default_candidates(args)`; then `compile_only(args, rows_of(args))`, or
+    `on_gpu(...)` of the same."""
+    add_tile_tuning_arguments(parser, seqlen)
+    args = parser.parse_args(argv)
+    if args.candidates is None:
+        args.candidates = default_candidates(args)
+    (compile_only if args.compile_only else on_gpu)(args, rows_of(args))
+    return 0
+
+
+def add_tile_tuning_arguments(parser, seqlen: int) -> None:
+    """The options the tile tuners (`tune_tiles.py`, `tune_bwd_tiles.py`) share: candidates,
+    compile only, and the timed problem's batch, sequence length and heads."""
+    parser.add_argument("--candidates", type=lambda s: [c for c in s.split(",") if c], default=None,
+                        help="comma list (default: a few around the shipped tile)")
+    parser.add_argument("--compile-only", action="store_true", help="registers and spills only (no GPU needed)")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seqlen", type=int, default=seqlen)
+    parser.add_argument("--heads", type=int, default=16)
+
+
+def print_tile_audit(arch: str, rows: Iterable[tuple]) -> None:
+    """The tile tuners' `--compile-only` table: one line per (label, config or None, why not,
+    compile(config, options)) with registers, spill bytes and shared memory, or why it was not
+    compiled."""
+    from cute_flash.audit import AuditTarget, audit_target
+
+    blank = f"{'':>5} {'':>16} {'':>10}"
+    print(f"{'candidate':<20} {'regs':>5} {'spill st/ld (B)':>16} {'smem (KB)':>10}  note")
+    for label, config, why, compile_fn in rows:
+        if config is None:
+            print(f"{label:<20} {blank}  invalid: {why}")
+            continue
+        row = audit_target(AuditTarget(config.name, arch, lambda opts, c=config: compile_fn(c, opts)))
+        if row.error:
+            print(f"{label:<20} {blank}  does not compile: {row.error}")
+            continue
+        smem = (row.smem_dynamic or getattr(config, "smem_bytes", 0)) / 1024
+        print(f"{label:<20} {row.registers or '?':>5} {f'{row.spill_stores or 0}/{row.spill_loads or 0}':>16} "
+              f"{smem:>10.1f}  {'SPILLS' if row.spills else ''}", flush=True)
+
+
 def format_size(n: int) -> str:
     """16384 -> '16k', 1000 -> '1000'."""
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)

@@ -74,21 +74,10 @@ def with_tile(d: int, tile, fn):
 
 
 def compile_only(args, rows) -> None:
-    from cute_flash.audit import AuditTarget, audit_target
+    from bench_lib import print_tile_audit
     from cute_flash.kernels.sm80 import bwd_config as bc
 
-    print(f"{'candidate':<16} {'regs':>5} {'spill st/ld (B)':>16} {'smem (KB)':>10}  note")
-    for label, _, config, why in rows:
-        if config is None:
-            print(f"{label:<16} {'':>5} {'':>16} {'':>10}  invalid: {why}")
-            continue
-        row = audit_target(AuditTarget(config.name, args.arch, lambda opts, c=config: bc.compile_kernel(c, opts)))
-        if row.error:
-            print(f"{label:<16} {'':>5} {'':>16} {'':>10}  does not compile: {row.error}")
-            continue
-        note = "SPILLS" if row.spills else ""
-        print(f"{label:<16} {row.registers or '?':>5} {f'{row.spill_stores or 0}/{row.spill_loads or 0}':>16} "
-              f"{config.smem_bytes / 1024:>10.1f}  {note}", flush=True)
+    print_tile_audit(args.arch, [(label, config, why, bc.compile_kernel) for label, _, config, why in rows])
 
 
 def on_gpu(args, rows) -> None:
@@ -151,26 +140,14 @@ def on_gpu(args, rows) -> None:
 
 
 def main(argv=None) -> int:
+    from bench_lib import tile_tuning_main
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=("sm_80", "sm_90a"), default="sm_90a", help="for --compile-only")
     p.add_argument("--head-dim", type=int, default=256)
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--candidates", type=lambda s: [c for c in s.split(",") if c], default=None,
-                   help="comma list (default: a few around the shipped tile)")
-    p.add_argument("--compile-only", action="store_true", help="registers and spills only (no GPU needed)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=16)
-    args = p.parse_args(argv)
-    if args.candidates is None:
-        args.candidates = ["32x128w8q2", "64x64w4q4"]
-    rows = configs(args)
-    if args.compile_only:
-        compile_only(args, rows)
-    else:
-        on_gpu(args, rows)
-    return 0
+    return tile_tuning_main(p, argv, 4096, lambda args: ["32x128w8q2", "64x64w4q4"], configs, compile_only, on_gpu)
 
 
 if __name__ == "__main__":

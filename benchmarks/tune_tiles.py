@@ -70,22 +70,10 @@ def candidates(args) -> list:
 
 
 def compile_only(args, configs) -> None:
-    from cute_flash.audit import AuditTarget, audit_target
+    from bench_lib import print_tile_audit
 
-    fc = config_module(args.arch)
-    print(f"{'candidate':<20} {'regs':>5} {'spill st/ld (B)':>16} {'smem (KB)':>10}  note")
-    for label, config, why in configs:
-        if config is None:
-            print(f"{label:<20} {'':>5} {'':>16} {'':>10}  invalid: {why}")
-            continue
-        row = audit_target(AuditTarget(config.name, args.arch, lambda opts, c=config: fc.compile_fwd(c, opts)))
-        if row.error:
-            print(f"{label:<20} {'':>5} {'':>16} {'':>10}  does not compile: {row.error}")
-            continue
-        smem = (row.smem_dynamic or 0) / 1024
-        note = "SPILLS" if row.spills else ""
-        print(f"{label:<20} {row.registers or '?':>5} {f'{row.spill_stores or 0}/{row.spill_loads or 0}':>16} "
-              f"{smem:>10.1f}  {note}", flush=True)
+    compile_fn = config_module(args.arch).compile_fwd
+    print_tile_audit(args.arch, [(label, config, why, compile_fn) for label, config, why in configs])
 
 
 def on_gpu(args, configs) -> None:
@@ -159,28 +147,21 @@ def on_gpu(args, configs) -> None:
 
 
 def main(argv=None) -> int:
+    from bench_lib import tile_tuning_main
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=("sm_80", "sm_90a"), default="sm_90a")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--candidates", type=lambda s: [c for c in s.split(",") if c],
-                   default=None, help="comma list (default: a few around the shipped tile)")
-    p.add_argument("--compile-only", action="store_true", help="registers and spills only (no GPU needed)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=16)
-    args = p.parse_args(argv)
-    if args.candidates is None:
-        args.candidates = (["128x176w2s2", "128x160w2s2", "128x144w2s2", "192x128w3s2", "192x112w3s2",
-                            "128x128w2s2-nopp", "128x128w2s3"]
-                           if args.arch == "sm_90a" else ["128x64w4s2", "128x128w8s1", "128x64w8s2", "64x128w4s2"])
-    configs = candidates(args)
-    if args.compile_only:
-        compile_only(args, configs)
-    else:
-        on_gpu(args, configs)
-    return 0
+    return tile_tuning_main(p, argv, 8192, default_candidates, candidates, compile_only, on_gpu)
+
+
+def default_candidates(args) -> list:
+    if args.arch == "sm_90a":
+        return ["128x176w2s2", "128x160w2s2", "128x144w2s2", "192x128w3s2", "192x112w3s2", "128x128w2s2-nopp",
+                "128x128w2s3"]
+    return ["128x64w4s2", "128x128w8s1", "128x64w8s2", "64x128w4s2"]
 
 
 if __name__ == "__main__":
