@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from ..common.fake_tensors import (element_type, fake_int_vector, fake_sequence_vectors, fake_stream, fake_tensor,
                                    fake_tokens)
-from ..common.tiles import check_attention_config, pad_headdim
+from ..common.tiles import align_up, check_attention_config, pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128, 256)
 DTYPES = ("float16", "bfloat16")
@@ -99,8 +99,7 @@ class Sm80BwdConfig:
             raise ValueError(
                 f"dq_warps_m={self.dq_warps_m} does not tile {self.tile_m} rows with {self.num_warps} warps"
             )
-        if self.col_tiles > 1 and (self.head_dim % (PANEL_COLS * self.col_tiles)
-                                   or self.head_dim_v % (PANEL_COLS * self.col_tiles)):
+        if not splits_into_panels(self.head_dim, self.head_dim_v, self.col_tiles):
             raise ValueError(f"col_tiles={self.col_tiles} must cut head dims {self.head_dim} and {self.head_dim_v} "
                              f"into whole {PANEL_COLS}-column panels")
 
@@ -183,8 +182,13 @@ class Sm80BwdPostConfig:
         return "_".join(["bwdpost_sm80", self.dtype, f"hd{self.head_dim}"] + flags)
 
 
+def splits_into_panels(head_dim: int, head_dim_v: int, col_tiles: int) -> bool:
+    """Whether `col_tiles` column tiles of both (padded) head dims are whole swizzle panels."""
+    return col_tiles == 1 or not (head_dim % (PANEL_COLS * col_tiles) or head_dim_v % (PANEL_COLS * col_tiles))
+
+
 def _row_kernel_cols(d: int) -> int:
-    return -(-d // ROW_KERNEL_COLS) * ROW_KERNEL_COLS
+    return align_up(d, ROW_KERNEL_COLS)
 
 
 def make_pre_config(dtype: str, head_dim_v: int, varlen_q: bool, has_dlse: bool,
@@ -202,7 +206,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80BwdC
     """The configuration for actual head dims (multiples of 8 up to 256) and feature flags."""
     hd, hdv = (pad_headdim(d, TILE_HEADDIMS, UnsupportedHeadDim) for d in (head_dim, head_dim_v))
     tile = TILES[max(hd, hdv)]
-    if tile.col_tiles > 1 and min(hd, hdv) % (PANEL_COLS * tile.col_tiles):
+    if not splits_into_panels(hd, hdv, tile.col_tiles):
         raise UnsupportedHeadDim(
             f"the sm_80 backward kernel splits head dims above 128 into {tile.col_tiles} column tiles of whole "
             f"{PANEL_COLS}-column panels; head dims {head_dim} (Q, K) and {head_dim_v} (V) do not split so"
