@@ -261,12 +261,17 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device, the current one for a device given without."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _stream_key(device: torch.device) -> tuple:
     """(device index, handle of the device's current stream); (device type, 0) off CUDA, where
     only the launch-argument tests build launches."""
     if device.type != "cuda":
         return device.type, 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     return index, torch.cuda.current_stream(index).cuda_stream
 
 

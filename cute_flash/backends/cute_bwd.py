@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .base import AttnArgs, query_sizes
-from .cute import _DTYPE_NAMES, KernelCache, kernel_flags
+from .cute import _DTYPE_NAMES, KernelCache, cuda_index, kernel_flags
 
 CONFIG_MODULE = "cute_flash.kernels.sm80.bwd_config"
 SM90_CONFIG_MODULE = "cute_flash.kernels.sm90.bwd_config"
@@ -94,7 +94,7 @@ def _smem_optin(device: torch.device) -> Optional[int]:
     """Shared memory one CTA may opt into on `device`; None off CUDA."""
     if device.type != "cuda":
         return None
-    return _smem_optin_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _smem_optin_of(cuda_index(device))
 
 
 @functools.lru_cache(maxsize=None)
