@@ -282,8 +282,8 @@ def run_cell(runner, case: Case, x, oracle_of, timer, graph: bool = False, again
                               message=f"{what}: max error {err:.3g} > tolerance {tol:.3g}")
             if backward:
                 step = lambda: fn().backward(x.dout)  # noqa: E731
-                ms = timer(step, grad_to_none=list(leaves))
                 timed = lambda: timer(step, grad_to_none=list(leaves))  # noqa: E731
+                ms = timed()
             else:
                 with torch.no_grad():
                     if graph:
@@ -299,11 +299,11 @@ def run_cell(runner, case: Case, x, oracle_of, timer, graph: bool = False, again
                         if not passed:
                             return Result(case, runner.name, WRONG, max_err=err, tolerance=tol,
                                           message=f"CUDA-graph replay, {what}: max error {err:.3g} > tolerance {tol:.3g}")
-                        ms = timer(replay)
                         timed = lambda: timer(replay)  # noqa: E731
+                        ms = timed()
                     else:
-                        ms = timer(fn)
                         timed = lambda: timer(fn)  # noqa: E731
+                        ms = timed()
         if again is not None:
             again[runner.name] = lambda: _time_in_context(runner, timed, no_grad=not backward)
         return Result(case, runner.name, OK, ms=ms, value=throughput(case, ms * 1e-3), max_err=err, tolerance=tol)
