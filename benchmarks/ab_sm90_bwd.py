@@ -68,6 +68,14 @@ def variants(head_dim: int, causal: bool) -> list:
     if shipped.dq_split:
         flips.append(("no dq_split", {"dq_split": False}))
     flips.append(("before", {"stats_early": False, "dq_fence_late": False}))
+    if not shipped.dv_after_ds and not shipped.softcap:
+        # flash-attn-4's order: dV issued once dS^T is formed (no GEMM in flight meanwhile)
+        flips.append(("dV after dS", {"dv_after_ds": True, "overlap_dv": False}))
+    if shipped.dq_rows:
+        # the 64-row step it replaced (dQ's columns split, two dQ tiles, dV overlapped, dK after dQ)
+        flips.append(("64 rows", {"tile_m": 64, "dq_rows": False, "dq_split": True, "dq_stages": 2,
+                                  "dv_after_ds": False, "overlap_dv": True, "dk_behind_dq": False,
+                                  "dk_after_dq": True}))
     flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))
     out, seen = [("shipped", shipped)], {shipped}
     for label, change in flips:

@@ -26,8 +26,23 @@ def test_sm90_bwd_tile_table_fits_shared_memory_and_registers(headdim):
     assert config.tile_n == 64 * bc.NUM_CONSUMER_WGS
     consumer, producer = config.registers
     assert 128 * producer + 128 * bc.NUM_CONSUMER_WGS * consumer <= 64 * 1024
-    # the dQ GEMM takes the query block as its M: one m64 WGMMA per consumer warpgroup
-    assert config.tile_m == 64
+    # the dQ GEMM takes the query block (or, with dq_rows, half of it) as its M: one m64 WGMMA per
+    # consumer warpgroup
+    assert config.dq_rows_per_wg == 64 and config.tile_m == (128 if config.dq_rows else 64)
+
+
+def test_sm90_bwd_128_row_tile_at_head_dim_64_but_with_softcap_or_without_the_dq_writer():
+    wide = bc.make_config("bfloat16", 64, 64, causal=True, varlen_q=True, varlen_k=True, seqused_k=True)
+    assert (wide.tile_m, wide.dq_rows, wide.dv_after_ds, wide.dk_behind_dq, wide.dq_split) == (128, True, True, True,
+                                                                                                False)
+    assert wide.ds_stages == 2 and wide.dq_stages == 1
+    for narrow in (bc.make_config("bfloat16", 64, 64, softcap=True), bc.make_config("bfloat16", 64, 64, dq_writer=False),
+                   bc.make_config("bfloat16", 96, 96), bc.make_config("bfloat16", 128, 128)):
+        assert narrow.tile_m == 64 and not narrow.dq_rows
+    with pytest.raises(ValueError, match="dq_rows"):
+        replace(wide, tile_m=64)
+    with pytest.raises(ValueError, match="exclude"):
+        replace(wide, overlap_dv=True)
 
 
 @pytest.mark.parametrize("d,tile", [(8, 64), (64, 64), (72, 96), (96, 96), (120, 128), (128, 128)])
@@ -64,9 +79,14 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
                 flipped["dk_behind_dq"] = False  # the two exclude each other
             if f.name == "lpt":
                 continue  # needs causal: below
+            if f.name in ("dq_rows", "dv_after_ds"):
+                continue  # the 128-row tile of head dim 64: below
             assert replace(base, **flipped).name != base.name, f.name
     causal = bc.make_config("bfloat16", 128, 128, causal=True)
     assert causal.lpt and replace(causal, lpt=False).name != causal.name
+    wide = bc.make_config("bfloat16", 64, 64)
+    assert replace(wide, dv_after_ds=False).name != wide.name
+    assert replace(wide, dq_rows=False, tile_m=64).name != wide.name
 
 
 def test_sm90_bwd_lpt_order_only_for_causal_calls():
@@ -81,20 +101,23 @@ def test_sm90_bwd_dk_behind_dq_where_dk_is_not_carried_after_dq():
     assert bc.make_config("bfloat16", 128, 128).dk_behind_dq
     assert not bc.make_config("bfloat16", 96, 96, causal=True).dk_behind_dq  # slower with two dQ tiles
     assert bc.make_config("bfloat16", 96, 96, dk_behind_dq=True).dk_behind_dq
-    assert not bc.make_config("bfloat16", 64, 64).dk_behind_dq  # dk_after_dq there
+    assert not bc.make_config("bfloat16", 64, 64, softcap=True).dk_behind_dq  # dk_after_dq on the 64-row tile
     with pytest.raises(ValueError, match="dk_behind_dq"):
-        bc.make_config("bfloat16", 64, 64, dk_behind_dq=True)
+        bc.make_config("bfloat16", 64, 64, softcap=True, dk_behind_dq=True)
+    assert bc.make_config("bfloat16", 64, 64).dk_behind_dq  # the 128-row tile's order
 
 
 def test_sm90_bwd_two_dq_tiles_at_head_dims_64_and_96_with_the_writer_warp():
-    assert bc.make_config("bfloat16", 64, 64).dq_stages == 2
+    assert bc.make_config("bfloat16", 64, 64, softcap=True).dq_stages == 2  # the 64-row tile
+    assert bc.make_config("bfloat16", 64, 64).dq_stages == 1  # the 128-row tile: smem at its limit with two
     assert bc.make_config("bfloat16", 96, 96, causal=True).dq_stages == 2
     assert bc.make_config("bfloat16", 128, 128).dq_stages == 1
     assert bc.make_config("bfloat16", 64, 64, dq_writer=False).dq_stages == 1
     with pytest.raises(ValueError, match="dq_stages"):
         bc.make_config("bfloat16", 64, 64, dq_writer=False, dq_stages=2)
     # the second pair of fp32 tiles: 2 warpgroups x 64 rows x 32 columns at head dim 64
-    one, two = bc.make_config("bfloat16", 64, 64, dq_stages=1), bc.make_config("bfloat16", 64, 64)
+    one, two = (bc.make_config("bfloat16", 64, 64, softcap=True, dq_stages=1),
+                bc.make_config("bfloat16", 64, 64, softcap=True))
     assert two.smem_bytes - one.smem_bytes == 4 * 2 * 64 * 32
 
 
@@ -110,7 +133,8 @@ def test_sm90_bwd_dq_fence_late_needs_the_writer_warp():
 def test_sm90_bwd_dq_split_is_the_hd64_and_hd128_default_and_needs_one_of_them():
     assert bc.make_config("bfloat16", 128, 128).dq_split
     assert bc.make_config("bfloat16", 120, 120).dq_split  # padded to 128
-    assert bc.make_config("bfloat16", 64, 64).dq_split
+    assert bc.make_config("bfloat16", 64, 64, softcap=True).dq_split  # the 64-row tile
+    assert not bc.make_config("bfloat16", 64, 64).dq_split  # the 128-row tile splits dQ's rows
     assert not bc.make_config("bfloat16", 96, 96).dq_split
     with pytest.raises(ValueError, match="dq_split"):
         bc.make_config("bfloat16", 96, 96, dq_split=True)

@@ -168,7 +168,8 @@ class FlashBwdSm90:
         # `dq_stages` fp32 dQ partials per consumer warpgroup, the sources of its TMA reduce-adds:
         # (rows, cols, warpgroup, stage)
         sdQ_layout = cute.tile_to_shape(wgmma_smem_layout_atom(Float32, cfg.dq_cols),
-                                        (cfg.tile_m, cfg.dq_cols, NUM_CONSUMER_WGS, cfg.dq_stages), (0, 1, 2, 3))
+                                        (cfg.dq_rows_per_wg, cfg.dq_cols, NUM_CONSUMER_WGS, cfg.dq_stages),
+                                        (0, 1, 2, 3))
 
         @cute.struct
         class SharedStorage:
@@ -201,7 +202,7 @@ class FlashBwdSm90:
         tma_D, tma_mD = cpasync.make_tiled_tma_atom(load, stats_view(mD, cfg.varlen_q), stat_tile, stat_box)
         tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), tma_view(mdQaccum, cfg.varlen_q),
-            cute.select(sdQ_layout, mode=[0, 1]), (cfg.tile_m, cfg.dq_cols),
+            cute.select(sdQ_layout, mode=[0, 1]), (cfg.dq_rows_per_wg, cfg.dq_cols),
         )
 
         K_major, MN_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -439,11 +440,13 @@ class FlashBwdSm90:
         TMA clips the rows past the tensor; in a varlen batch the rows past this sequence belong to
         the next one and get + 0.0 (P, and so dS and dQ, are 0 there)."""
         cfg = self.cfg
-        col_block = 0
+        row_block, col_block = m_block, 0
         if cutlass.const_expr(cfg.dq_split):
             col_block = wg_idx
+        if cutlass.const_expr(cfg.dq_rows):
+            row_block = m_block * NUM_CONSUMER_WGS + wg_idx
         gdQ = cute.local_tile(FlashFwdSm90.rows(tma_mdQ, cfg.varlen_q, seqlen.offset_q, batch, head),
-                              (cfg.tile_m, cfg.dq_cols), (m_block, col_block))
+                              (cfg.dq_rows_per_wg, cfg.dq_cols), (row_block, col_block))
         tdQsdQ, tdQgdQ = cpasync.tma_partition(
             tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
         )
@@ -489,6 +492,11 @@ class FlashBwdSm90:
             # every key of dS^T (both warpgroups' rows) and this warpgroup's half of K's columns
             tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS)))
             sK_wg = cute.local_tile(sK, (cfg.tile_n, cfg.dq_cols), (0, wg_idx))
+        elif cutlass.const_expr(cfg.dq_rows):
+            # every key of dS^T, this warpgroup's 64 queries of the block; all of K
+            sdS_wg = cute.local_tile(sdS, (cfg.tile_n, cfg.dq_rows_per_wg, cfg.ds_stages), (0, wg_idx, 0))
+            tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS_wg)))
+            sK_wg = sK
         else:
             # this warpgroup's 64 keys: its rows of dS^T and K
             sdS_wg = cute.local_tile(sdS, (64, cfg.tile_m, cfg.ds_stages), (wg_idx, 0, 0))
@@ -595,7 +603,8 @@ class FlashBwdSm90:
                     gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
                 else:
                     rP.store(acc_S.load().to(self.dtype))
-                gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
+                if cutlass.const_expr(not cfg.dv_after_ds):
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
                 # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
                 # from being live together
                 warpgroup.wait_group(1 if cutlass.const_expr(cfg.overlap_dv and not cfg.softcap) else 0)
@@ -608,6 +617,8 @@ class FlashBwdSm90:
                     for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                         acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
                 rdS.store(acc_dP.load().to(self.dtype))
+                if cutlass.const_expr(cfg.dv_after_ds):
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
                 if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq):
                     gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
 
@@ -619,13 +630,14 @@ class FlashBwdSm90:
                     if dq_warp:
                         # the previous block's reduce-add is done reading sdQ_wg before it is rewritten
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
-                if cutlass.const_expr(cfg.dq_split):
+                if cutlass.const_expr(cfg.dq_split or cfg.dq_rows):
                     # both warpgroups' dS^T rows are in; each last read the other buffer before it
                     # arrived here, so the next step may overwrite that one
                     cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
                 else:
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
-                acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.tile_m, cfg.dq_cols)), Float32)
+                acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)),
+                                               Float32)
                 gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
                 if cutlass.const_expr(cfg.dk_after_dq or cfg.dk_behind_dq):
                     gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)

@@ -61,6 +61,8 @@ class BwdTile(NamedTuple):
     dq_fence_late: tuple = ()
     dk_behind_dq: bool = False  # see `Sm90BwdConfig.dk_behind_dq`
     dq_stages: int = 1  # see `Sm90BwdConfig.dq_stages`
+    dq_rows: bool = False  # see `Sm90BwdConfig.dq_rows`
+    dv_after_ds: bool = False  # see `Sm90BwdConfig.dv_after_ds`
 
 
 # keyed by the padded head dim
@@ -70,6 +72,17 @@ TILES = {
     96: BwdTile(64, 2, dq_writer=True, overlap_dv=True, dq_stages=2),
     128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain",),
                  dq_fence_late=("masked",), dk_behind_dq=True),
+}
+
+
+# 128 query rows per step (half the steps -- barriers, waits, LSE / D loads -- per key block) in
+# flash-attn-4's order: dV after dS^T, dK behind dQ, each warpgroup's dQ over 64 of the rows.
+# Compiles without spills or WGMMA serialization at head dim 64 (128 rows with dV issued before
+# dS^T serialize, and so does this tile with soft-capping, whose fp32 tanh tile is one more, or
+# without the dQ writer warp): calls without either take it.
+WIDE_TILES = {
+    64: BwdTile(128, 2, dq_rows=True, dq_writer=True, dk_behind_dq=True, dv_after_ds=True,
+                dq_fence_late=("plain", "masked")),
 }
 
 
@@ -160,6 +173,13 @@ class Sm90BwdConfig:
     # 1.36-1.39 -> 1.23-1.30, causal 0.75-0.83 -> 0.68-0.72; at 64 1.69-1.70 -> 1.63-1.68, causal
     # 0.93-0.98 -> 0.88-0.91; 8 x 2048 at 128 1.57-1.58 -> 1.33-1.38, causal 0.92-1.04 -> 0.82-0.84.
     dkv_staged: bool = False
+    # With 128-row query blocks (`tile_m` 128; an A/B configuration, not shipped): each warpgroup
+    # computes dQ for 64 of the block's rows over all the CTA's keys (flash-attn-4's layout at
+    # head dim 64), instead of half the columns (`dq_split`) or a partial over its own keys.
+    dq_rows: bool = False
+    # dV += P^T dO issued once dS^T is formed (flash-attn-4's order) instead of before: no GEMM
+    # is in flight while dS^T is computed, P^T's 16-bit registers live across it instead. A/B only.
+    dv_after_ds: bool = False
 
     tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
@@ -167,9 +187,13 @@ class Sm90BwdConfig:
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
-        if self.tile_m != 64:
-            # the M of the dQ GEMM (one m64 WGMMA per warpgroup); more rows would not fit the registers
-            raise ValueError(f"tile_m must be 64; got {self.tile_m}")
+        if self.tile_m != (128 if self.dq_rows else 64):
+            # the M of the dQ GEMM: one m64 WGMMA per warpgroup, over 64 of 128 rows with `dq_rows`
+            raise ValueError(f"tile_m must be 64, or 128 with dq_rows; got {self.tile_m}")
+        if self.dv_after_ds and self.overlap_dv:
+            raise ValueError("dv_after_ds and overlap_dv exclude each other")
+        if self.dq_rows and self.dq_split:
+            raise ValueError("dq_rows and dq_split exclude each other")
         if self.dq_split and self.head_dim not in (64, 128):
             raise ValueError(f"dq_split needs head dim 64 or 128; got {self.head_dim}")
         if self.dk_behind_dq and self.dk_after_dq:
@@ -201,9 +225,14 @@ class Sm90BwdConfig:
         return self.head_dim // NUM_CONSUMER_WGS if self.dq_split else self.head_dim
 
     @property
+    def dq_rows_per_wg(self) -> int:
+        """Rows of the dQ tile one warpgroup computes and reduce-adds."""
+        return self.tile_m // NUM_CONSUMER_WGS if self.dq_rows else self.tile_m
+
+    @property
     def ds_stages(self) -> int:
-        """dS^T buffers: two when both warpgroups read the whole tile (`dq_split`)."""
-        return 2 if self.dq_split else 1
+        """dS^T buffers: two when both warpgroups read the whole tile (`dq_split`, `dq_rows`)."""
+        return 2 if self.dq_split or self.dq_rows else 1
 
     @property
     def smem_bytes(self) -> int:
@@ -213,7 +242,7 @@ class Sm90BwdConfig:
         q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
         ds = self.ds_stages * self.tile_n * self.tile_m
         stat = 4 * (self.stat_stage_stride * (self.num_stages - 1) + self.stat_box)  # LSE, and D
-        dq = 4 * NUM_CONSUMER_WGS * self.dq_stages * self.tile_m * self.dq_cols  # fp32 dQ tiles
+        dq = 4 * NUM_CONSUMER_WGS * self.dq_stages * self.dq_rows_per_wg * self.dq_cols  # fp32 dQ tiles
         size = 1024 + 2 * (k_v + q_do + ds)  # the mbarriers, padded to the 1024-aligned tiles
         size = align_up(align_up(size, 128) + stat, 128) + stat
         return align_up(size, 1024) + dq + SM90_STATIC_SMEM_BYTES
@@ -222,7 +251,7 @@ class Sm90BwdConfig:
     def name(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
-                             "dk_behind_dq", "lpt", "dkv_staged") if getattr(self, f)]
+                             "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -238,7 +267,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
         raise NotImplementedError(
             f"the sm_90 backward kernel needs head dim of V == head dim of Q; got {head_dim_v} and {head_dim}"
         )
-    tile = TILES[hd]
+    wide = hd in WIDE_TILES and not flags.get("softcap", False) and flags.get("dq_writer", True)
+    tile = WIDE_TILES[hd] if wide else TILES[hd]
     flags.setdefault("dq_split", tile.dq_split)
     flags.setdefault("dq_writer", tile.dq_writer)
     flags.setdefault("overlap_dv", tile.overlap_dv and not flags.get("softcap", False))
@@ -248,6 +278,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dq_fence_late", mode in tile.dq_fence_late and flags["dq_writer"])
     flags.setdefault("dk_behind_dq", tile.dk_behind_dq and not flags["dk_after_dq"])
     flags.setdefault("dq_stages", tile.dq_stages if flags["dq_writer"] else 1)
+    flags.setdefault("dq_rows", tile.dq_rows)
+    flags.setdefault("dv_after_ds", tile.dv_after_ds)
     flags.setdefault("lpt", flags.get("causal", False))
     flags.setdefault("dkv_staged", True)
     return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
@@ -272,9 +304,9 @@ def shipped_configs() -> list:
         # the dQ paths without the writer warp / the column split, for A/B
         make_config("bfloat16", 128, 128, causal=True, dq_writer=False),
         make_config("bfloat16", 128, 128, causal=True, dq_split=False, dq_writer=False),
-        make_config("bfloat16", 64, 64, causal=True, dq_split=False),
+        make_config("bfloat16", 64, 64, causal=True, dq_writer=False),  # the 64-row tile
         make_config("bfloat16", 128, 128, causal=True, overlap_dv=False),
-        make_config("bfloat16", 64, 64, dk_after_dq=False),
+        make_config("float16", 64, 64, local=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 128, 128, stats_early=False),
         make_config("bfloat16", 128, 128, causal=True, stats_early=True, dq_fence_late=True),
     ]
