@@ -380,11 +380,14 @@ def test_bwd_tile_candidates_replace_only_the_tile_and_restore_the_table():
         tile_n=128, num_warps=8)
     with pytest.raises(ValueError, match="MxNwWqQ"):
         tune_bwd_tiles.parse_candidate("32x128w8", shipped_tile)
-    args = argparse.Namespace(dtype="bfloat16", head_dim=192, causal=True, candidates=["32x128w8q2", "32x100w8q2"])
+    args = argparse.Namespace(dtype="bfloat16", head_dim=256, causal=True, candidates=["32x128w8q2", "32x100w8q2"])
     (label, _, shipped, _), (_, tile, tuned, _), (_, _, bad, why) = tune_bwd_tiles.configs(args)
-    assert label == "shipped" and shipped == bc.make_config("bfloat16", 192, 192, causal=True)
-    assert (tuned.tile_n, tuned.num_warps, tuned.col_tiles, tuned.causal, tuned.check_hdim) == (128, 8, 2, True, True)
+    assert label == "shipped" and shipped == bc.make_config("bfloat16", 256, 256, causal=True)
+    assert (tuned.tile_n, tuned.num_warps, tuned.col_tiles, tuned.causal, tuned.check_hdim) == (128, 8, 2, True, False)
     assert bad is None and "16 per warp" in why
+    # at 192 that tile's dQ MMA (4 warps along the head dim, 64 columns) does not tile 96 columns
+    args.head_dim = 192
+    assert "multiple of 64" in tune_bwd_tiles.configs(args)[1][3]
     # the backend's own host path sees the candidate inside with_tile, and the shipped tile after
     q = torch.empty(1, 8, 1, 256, dtype=torch.bfloat16)
     inside = tune_bwd_tiles.with_tile(256, tile, lambda: call_configs(q, q, q, None, AttnArgs(0.1))[1])

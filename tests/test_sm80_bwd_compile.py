@@ -37,25 +37,28 @@ def test_headdims_pad_up_to_the_next_tile(d, tile):
     assert (config.head_dim, config.check_hdim, config.check_hdim_v) == (tile, d != tile, d != tile)
 
 
-@pytest.mark.parametrize("d,dv,cols", [(136, 136, (128, 128)), (192, 192, (128, 128)), (256, 256, (128, 128)),
-                                        (256, 128, (128, 64)), (128, 192, (64, 128))])
+@pytest.mark.parametrize("d,dv,cols", [(136, 136, (96, 96)), (192, 192, (96, 96)), (256, 256, (128, 128)),
+                                        (256, 128, (128, 64)), (128, 192, (64, 96)), (192, 128, (96, 64)),
+                                        (256, 64, (128, 32)), (64, 200, (32, 128))])
 def test_headdims_above_128_split_dk_dv_and_dq_over_two_ctas(d, dv, cols):
     config = bc.make_config("bfloat16", d, dv)
     assert config.col_tiles == 2 and (config.dk_cols, config.dv_cols) == cols
-    assert (config.check_hdim, config.check_hdim_v) == (d not in (128, 256), dv not in (128, 256))
+    assert (config.check_hdim, config.check_hdim_v) == (d not in (64, 128, 192, 256), dv not in (64, 128, 192, 256))
     assert config.name.split("_")[4].endswith("c2")
 
 
-@pytest.mark.parametrize("d,dv", [(264, 264), (256, 64), (64, 200), (96, 256)])
+@pytest.mark.parametrize("d,dv", [(264, 264), (64, 264), (96, 256), (96, 192)])
 def test_head_dims_the_backward_cannot_tile_are_refused_by_name(d, dv):
-    # above 256 there is no tile; a 32- or 48-column share of a 64- or 96-column tile is not whole panels
+    # above 256 there is no tile; 48 columns of dQ per CTA do not tile the dQ MMA's 32
     with pytest.raises(NotImplementedError, match=f"{max(d, dv)}"):
         bc.make_config("bfloat16", d, dv)
 
 
-def test_column_tiles_must_be_whole_panels():
-    with pytest.raises(ValueError, match="panels"):
-        replace(bc.make_config("bfloat16", 256, 256), head_dim_v=64)
+def test_column_tiles_must_tile_the_narrowest_swizzle_atom_and_the_dq_mma():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        replace(bc.make_config("bfloat16", 256, 256), col_tiles=32)
+    with pytest.raises(ValueError, match="dQ MMA"):
+        replace(bc.make_config("bfloat16", 256, 256), head_dim=96)
 
 
 def test_pre_and_post_tiles_round_up_to_64_columns():
@@ -126,7 +129,7 @@ def test_backward_refuses_head_dims_it_cannot_tile_by_name():
     from cute_flash.backends.cute import CuteSm80Backend
     from cute_flash.backends.cute_bwd import backward
 
-    q, v = _q(256), _q(64)
+    q, v = _q(96), _q(256)
     with pytest.raises(NotImplementedError, match="256"):
         backward(CuteSm80Backend(), q, q, v, v, v, torch.zeros(1, 1, 8), None, q, q, v, AttnArgs(0.1), False)
 
@@ -154,9 +157,9 @@ def test_backward_is_offered_on_sm80_and_on_sm90_through_the_sm80_kernels():
     q = _q()
     # cute-sm90 asks the sm_80 kernels, which take the call or say why not
     assert CuteSm90Backend().backward_refusal(q, q, q, AttnArgs(0.1), False) is None
-    q256, v64 = torch.zeros(1, 8, 2, 256, dtype=torch.float16), torch.zeros(1, 8, 2, 64, dtype=torch.float16)
+    q256, q96 = torch.zeros(1, 8, 2, 256, dtype=torch.float16), torch.zeros(1, 8, 2, 96, dtype=torch.float16)
     assert CuteSm90Backend().backward_refusal(q256, q256, q256, AttnArgs(0.1), False) is None
-    assert "256" in CuteSm90Backend().backward_refusal(q256, q256, v64, AttnArgs(0.1), False)
+    assert "256" in CuteSm90Backend().backward_refusal(q96, q96, q256, AttnArgs(0.1), False)
 
 
 def test_kernel_cache_builds_backward_configs_through_the_config_module(tmp_path, monkeypatch):
@@ -191,6 +194,7 @@ MAIN_COMPILED = [
     ("sm_90a", bc.make_config("bfloat16", 128, 128, causal=True)),
     # column tiles (two CTAs per key block) above head dim 128
     ("sm_80", bc.make_config("bfloat16", 192, 128, causal=True, deterministic=True)),
+    ("sm_90a", bc.make_config("bfloat16", 256, 64, causal=True)),
     ("sm_90a", bc.make_config("float16", 256, 256, local=True, softcap=True, varlen_q=True, varlen_k=True)),
 ]
 ROW_KERNELS_COMPILED = [

@@ -84,9 +84,14 @@ def smem_layout_atom(elem_bits: int, cols: int):
     )
 
 
-def smem_layout_tile(elem_bits: int, rows: int, cols: int, stages: int = 1):
-    """A (rows, cols) tile, or (rows, cols, stages) for a multi-buffered ring (trace time only)."""
-    atom = smem_layout_atom(elem_bits, cols)
+def smem_layout_tile(elem_bits: int, rows: int, cols: int, stages: int = 1, atom_cols_of: Optional[int] = None):
+    """A (rows, cols) tile, or (rows, cols, stages) for a multi-buffered ring (trace time only).
+
+    `atom_cols_of`: take the atom of rows of that many elements instead of `cols`, for a tile
+    made of column tiles of that width (a divisor of `cols`): each is then `rows * atom_cols_of`
+    consecutive elements laid out as `smem_layout_tile(elem_bits, rows, atom_cols_of)`.
+    """
+    atom = smem_layout_atom(elem_bits, atom_cols_of or cols)
     if stages == 1:
         return cute.tile_to_shape(atom, (rows, cols), (0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))

@@ -94,10 +94,11 @@ class FlashBwdSm80:
     ):
         cfg = self.cfg
         bits = self.dtype.width
-        sQ_layout = smem_layout_tile(bits, cfg.tile_m, cfg.head_dim)
-        sdO_layout = smem_layout_tile(bits, cfg.tile_m, cfg.head_dim_v)
-        sK_layout = smem_layout_tile(bits, cfg.tile_n, cfg.head_dim)
-        sV_layout = smem_layout_tile(bits, cfg.tile_n, cfg.head_dim_v)
+        # swizzle atoms of the column tiles' width (`col_tile_t`): the whole head dim without them
+        sQ_layout = smem_layout_tile(bits, cfg.tile_m, cfg.head_dim, atom_cols_of=cfg.dk_cols)
+        sdO_layout = smem_layout_tile(bits, cfg.tile_m, cfg.head_dim_v, atom_cols_of=cfg.dv_cols)
+        sK_layout = smem_layout_tile(bits, cfg.tile_n, cfg.head_dim, atom_cols_of=cfg.dk_cols)
+        sV_layout = smem_layout_tile(bits, cfg.tile_n, cfg.head_dim_v, atom_cols_of=cfg.dv_cols)
         sdS_layout = smem_layout_tile(bits, cfg.tile_n, cfg.tile_m)
 
         @cute.struct
@@ -110,8 +111,8 @@ class FlashBwdSm80:
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cfg.tile_m], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, cfg.tile_m], 128]
 
-        gmem_copy_QK = make_g2s_copy(self.dtype, self.num_threads, swizzle_params(bits, cfg.head_dim).atom_cols)
-        gmem_copy_VdO = make_g2s_copy(self.dtype, self.num_threads, swizzle_params(bits, cfg.head_dim_v).atom_cols)
+        gmem_copy_QK = make_g2s_copy(self.dtype, self.num_threads, swizzle_params(bits, cfg.dk_cols).atom_cols)
+        gmem_copy_VdO = make_g2s_copy(self.dtype, self.num_threads, swizzle_params(bits, cfg.dv_cols).atom_cols)
 
         atom = warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
         # key-side products (S^T, dP^T, dV, dK): warps split the keys, 16 each, so that every
@@ -404,9 +405,10 @@ class FlashBwdSm80:
     @cute.jit
     def col_tile_t(self, sX: cute.Tensor, rows: cutlass.Constexpr, cols: cutlass.Constexpr, col_block) -> cute.Tensor:
         """The transposed (cols, rows) view of column tile `col_block` of a (rows, cols * col_tiles)
-        shared-memory tile. The tile's 64-column panels lie one after the other (rows first, see
-        `smem_layouts`), so a column tile is a tile of `cols` columns of its own starting
-        `col_block * rows * cols` elements in, swizzled alike (a multiple of the 8-row atom)."""
+        shared-memory tile. The tile is built from the atom of `cols`-wide rows, whose panels lie
+        one after the other (rows first, see `smem_layouts`), so a column tile is a tile of `cols`
+        columns of its own starting `col_block * rows * cols` elements in, swizzled alike (a
+        multiple of the 8-row atom)."""
         base = sX.iterator
         if cutlass.const_expr(self.cfg.col_tiles > 1):
             base = base + cute.assume(col_block * (rows * cols), divby=rows * cols)

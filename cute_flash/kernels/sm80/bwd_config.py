@@ -16,15 +16,16 @@ with 4 warps and halves the loads of Q, dO, LSE and D and the dQ additions per k
 194.8 to 216.5 TFLOP/s. Every entry compiles with zero spills for sm_80 and sm_90a with all
 feature flags on.
 
-Head dims above 128 (padded to 256) split dK, dV and dQ over the columns (`col_tiles`): the CTAs
-of a key block each take `head_dim / col_tiles` columns of dK and dQ and `head_dim_v / col_tiles`
-of dV, so each keeps the registers of a head dim of 128, and each computes S^T and dP^T over all
-of d and dv (their share of those two products is done `col_tiles` times). Each column slice is
-a whole number of 64-column swizzle panels of the shared-memory tiles (`smem_layouts`), so a
-slice is the tile's own bytes from an offset, with the same swizzle; a pair of head dims whose
-slices would not be (256 with 64) is refused by name (`UnsupportedHeadDim`). Its shared memory
-(100 KB: the full K, V, Q and dO tiles) fits the A100 and the H100 / H200, not the 99 KB of
-sm_86 / sm_89 parts, whose backward then goes to the reference backend (`check_smem`).
+Head dims above 128 (192 and 256; others padded to those) split dK, dV and dQ over the columns
+(`col_tiles`): the CTAs of a key block each take `head_dim / col_tiles` columns of dK and dQ and
+`head_dim_v / col_tiles` of dV, so each keeps the registers of a head dim of 128 at most, and
+each computes S^T and dP^T over all of d and dv (their share of those two products is done
+`col_tiles` times). The shared-memory tiles of Q, K, V and dO are built from the swizzle atom of
+a column tile's width (`smem_layout_tile(..., atom_cols_of=)`), so a column tile is the tile's
+own bytes from an offset, with the same swizzle (at 192: 96-column tiles of 32-column panels).
+Head dim 256 takes 100 KB of shared memory (the full K, V, Q and dO tiles), which fits the A100
+and the H100 / H200, not the 99 KB of sm_86 / sm_89 parts, whose backward then goes to the
+reference backend (`check_smem`); 192 takes 76 KB.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..common.fake_tensors import (element_type, fake_int_vector, fake_sequence_
                                    fake_tokens)
 from ..common.tiles import align_up, check_attention_config, pad_headdim
 
-TILE_HEADDIMS = (64, 96, 128, 256)
+TILE_HEADDIMS = (64, 96, 128, 192, 256)
 DTYPES = ("float16", "bfloat16")
 
 
@@ -53,10 +54,11 @@ TILES = {
     64: BwdTile(64, 128, 8, 4),
     96: BwdTile(32, 64, 4, 2),
     128: BwdTile(32, 128, 8, 2),
+    192: BwdTile(32, 64, 4, 2, col_tiles=2),
     256: BwdTile(32, 64, 4, 2, col_tiles=2),
 }
-# the columns of a swizzle panel of a 16-bit tile whose rows are a multiple of 128 bytes
-PANEL_COLS = 64
+# columns of the narrowest swizzle atom (32 bytes of 16-bit elements): a column tile's width
+ATOM_COLS_MIN = 16
 
 
 class UnsupportedHeadDim(NotImplementedError):
@@ -99,9 +101,17 @@ class Sm80BwdConfig:
             raise ValueError(
                 f"dq_warps_m={self.dq_warps_m} does not tile {self.tile_m} rows with {self.num_warps} warps"
             )
-        if not splits_into_panels(self.head_dim, self.head_dim_v, self.col_tiles):
+        if self.head_dim % (ATOM_COLS_MIN * self.col_tiles) or self.head_dim_v % (ATOM_COLS_MIN * self.col_tiles):
             raise ValueError(f"col_tiles={self.col_tiles} must cut head dims {self.head_dim} and {self.head_dim_v} "
-                             f"into whole {PANEL_COLS}-column panels")
+                             f"into column tiles of a multiple of {ATOM_COLS_MIN} columns")
+        if self.col_tiles > 1 and self.dk_cols % self.dq_tile_cols:
+            raise ValueError(f"dK's {self.dk_cols} columns per CTA are not a multiple of the dQ MMA's "
+                             f"{self.dq_tile_cols}")
+
+    @property
+    def dq_tile_cols(self) -> int:
+        """Columns of one step of the dQ MMA: 16 per warp along the head dim."""
+        return dq_tile_cols(self.num_warps, self.dq_warps_m)
 
     @property
     def dk_cols(self) -> int:
@@ -182,9 +192,9 @@ class Sm80BwdPostConfig:
         return "_".join(["bwdpost_sm80", self.dtype, f"hd{self.head_dim}"] + flags)
 
 
-def splits_into_panels(head_dim: int, head_dim_v: int, col_tiles: int) -> bool:
-    """Whether `col_tiles` column tiles of both (padded) head dims are whole swizzle panels."""
-    return col_tiles == 1 or not (head_dim % (PANEL_COLS * col_tiles) or head_dim_v % (PANEL_COLS * col_tiles))
+def dq_tile_cols(num_warps: int, dq_warps_m: int) -> int:
+    """Columns of one step of the dQ MMA: 16 per warp along the head dim."""
+    return 16 * (num_warps // dq_warps_m)
 
 
 def _row_kernel_cols(d: int) -> int:
@@ -206,10 +216,11 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80BwdC
     """The configuration for actual head dims (multiples of 8 up to 256) and feature flags."""
     hd, hdv = (pad_headdim(d, TILE_HEADDIMS, UnsupportedHeadDim) for d in (head_dim, head_dim_v))
     tile = TILES[max(hd, hdv)]
-    if not splits_into_panels(hd, hdv, tile.col_tiles):
+    step = dq_tile_cols(tile.num_warps, tile.dq_warps_m)
+    if tile.col_tiles > 1 and (hd // tile.col_tiles) % step:
         raise UnsupportedHeadDim(
-            f"the sm_80 backward kernel splits head dims above 128 into {tile.col_tiles} column tiles of whole "
-            f"{PANEL_COLS}-column panels; head dims {head_dim} (Q, K) and {head_dim_v} (V) do not split so"
+            f"the sm_80 backward kernel at head dims {head_dim} (Q, K) and {head_dim_v} (V) would give each of its "
+            f"{tile.col_tiles} CTAs per key block {hd // tile.col_tiles} columns of dQ, not a multiple of {step}"
         )
     return Sm80BwdConfig(
         dtype=dtype,
@@ -248,6 +259,7 @@ def shipped_configs() -> list:
         make_post_config("bfloat16", 128, varlen_q=False),
         make_post_config("float16", 96, varlen_q=True),
         make_config("bfloat16", 192, 128, local=True, softcap=True, deterministic=True),
+        make_config("float16", 192, 192, causal=True, varlen_q=True, varlen_k=True),
         make_pre_config("bfloat16", 256, varlen_q=False, has_dlse=False, dq_accum_cols=256),
         make_post_config("bfloat16", 256, varlen_q=False),
     ]
