@@ -70,7 +70,7 @@ def test_pre_and_post_tiles_round_up_to_64_columns():
 
 def test_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 20  # each one is compiled and audited in CI
+    assert len(configs) <= 22  # each one is compiled and audited in CI
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -147,6 +147,24 @@ def test_backward_refuses_a_gpu_without_the_shared_memory_of_its_tile(monkeypatc
         assert backend.backward_refusal(q128, q128, q128, AttnArgs(0.1), False) is None
     monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: A100_SMEM)
     assert CuteSm80Backend().backward_refusal(q256, q256, q256, AttnArgs(0.1), False) is None
+
+
+def test_head_dim_256_takes_the_8_warp_tile_where_the_gpu_has_the_shared_memory(monkeypatch):
+    from cute_flash.backends import cute_bwd
+    from cute_flash.backends.cute_bwd import configs
+
+    h100 = bc.make_config("bfloat16", 256, 256, smem_limit=227 * 1024)
+    assert (h100.tile_n, h100.num_warps, h100.col_tiles) == (128, 8, 2) and h100.smem_bytes <= 227 * 1024
+    for limit in (None, A100_SMEM):
+        small = bc.make_config("bfloat16", 256, 256, smem_limit=limit)
+        assert (small.tile_n, small.num_warps) == (64, 4)
+    assert bc.make_config("bfloat16", 128, 128, smem_limit=227 * 1024) == bc.make_config("bfloat16", 128, 128)
+    # the host path asks the GPU of q
+    q = _q(256)
+    monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: 227 * 1024)
+    assert configs(q, q, q, None, AttnArgs(0.1))[1] == bc.make_config("float16", 256, 256, smem_limit=227 * 1024)
+    monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: A100_SMEM)
+    assert configs(q, q, q, None, AttnArgs(0.1))[1].num_warps == 4
 
 
 def test_backward_is_offered_on_sm80_and_on_sm90_through_the_sm80_kernels():

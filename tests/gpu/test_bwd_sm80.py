@@ -166,6 +166,22 @@ def test_bwd_expanded_dout_is_accepted():
     check_backward((dq, dk, dv), dout, None, q, k, v, out, lse, args)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_hd256_on_the_tile_of_a100_shared_memory(monkeypatch, causal, seqlen_q, seqlen_k):
+    """On an H100 / H200 head dim 256 takes the 8-warp tile (`LARGE_SMEM_TILES`); the 4-warp tile
+    that an A100 takes (163 KB per CTA) is checked here on the same GPU."""
+    from cute_flash.backends import cute_bwd
+
+    monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: 163 * 1024)
+    torch.manual_seed(seqlen_q + causal)
+    q = torch.randn(2, seqlen_q, 3, 256, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(2, seqlen_k, 3, 256, 256, torch.bfloat16)
+    args = _args(256, causal=causal, window_right=0 if causal else -1)
+    assert cute_bwd.configs(q, k, v, None, args)[1].num_warps == 4
+    _check(q, k, v, args)
+
+
 @pytest.mark.parametrize("d", [128, 256])
 def test_bwd_offsets_beyond_4gib(d):
     """K, V, dK and dV of more than 2^31 elements: batch 1 starts 4 GiB into each buffer (at head

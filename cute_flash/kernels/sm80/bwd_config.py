@@ -25,13 +25,14 @@ a column tile's width (`smem_layout_tile(..., atom_cols_of=)`), so a column tile
 own bytes from an offset, with the same swizzle (at 192: 96-column tiles of 32-column panels).
 Head dim 256 takes 100 KB of shared memory (the full K, V, Q and dO tiles), which fits the A100
 and the H100 / H200, not the 99 KB of sm_86 / sm_89 parts, whose backward then goes to the
-reference backend (`check_smem`); 192 takes 76 KB.
+reference backend (`check_smem`); 192 takes 76 KB. Where a CTA may take 172 KB (H100 / H200),
+head dim 256 takes 128 keys per CTA with 8 warps instead (`LARGE_SMEM_TILES`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from ..common.fake_tensors import (element_type, fake_int_vector, fake_sequence_vectors, fake_stream, fake_tensor,
                                    fake_tokens)
@@ -59,6 +60,12 @@ TILES = {
 }
 # columns of the narrowest swizzle atom (32 bytes of 16-bit elements): a column tile's width
 ATOM_COLS_MIN = 16
+# Where a CTA may have more shared memory (H100 / H200: 227 KB): 128 keys per CTA with 8 warps,
+# which halves the loads of Q, dO, LSE and D and the dQ additions per key as at head dim 128
+# (172 KB; compiles without spills for sm_80 and sm_90a). Chosen by `make_config(smem_limit=)`.
+LARGE_SMEM_TILES = {
+    256: BwdTile(32, 128, 8, 2, col_tiles=2),
+}
 
 
 class UnsupportedHeadDim(NotImplementedError):
@@ -212,10 +219,26 @@ def make_post_config(dtype: str, head_dim: int, varlen_q: bool) -> Sm80BwdPostCo
     return Sm80BwdPostConfig(dtype, cols, cols != head_dim, varlen_q)
 
 
-def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80BwdConfig:
-    """The configuration for actual head dims (multiples of 8 up to 256) and feature flags."""
+def make_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: Optional[int] = None,
+                **flags) -> Sm80BwdConfig:
+    """The configuration for actual head dims (multiples of 8 up to 256) and feature flags;
+    `smem_limit` (a CTA's shared memory on the GPU, bytes) lets a larger tile of
+    `LARGE_SMEM_TILES` be taken where it fits."""
     hd, hdv = (pad_headdim(d, TILE_HEADDIMS, UnsupportedHeadDim) for d in (head_dim, head_dim_v))
-    tile = TILES[max(hd, hdv)]
+    config = _config_for_tile(TILES[max(hd, hdv)], dtype, head_dim, head_dim_v, hd, hdv, flags)
+    large = LARGE_SMEM_TILES.get(max(hd, hdv))
+    if smem_limit is not None and large is not None:
+        try:
+            wide = _config_for_tile(large, dtype, head_dim, head_dim_v, hd, hdv, flags)
+        except UnsupportedHeadDim:  # the large tile's dQ columns do not tile these head dims
+            return config
+        if wide.smem_bytes <= smem_limit:
+            return wide
+    return config
+
+
+def _config_for_tile(tile: BwdTile, dtype: str, head_dim: int, head_dim_v: int, hd: int, hdv: int,
+                     flags: dict) -> Sm80BwdConfig:
     step = dq_tile_cols(tile.num_warps, tile.dq_warps_m)
     if tile.col_tiles > 1 and (hd // tile.col_tiles) % step:
         raise UnsupportedHeadDim(
@@ -262,6 +285,7 @@ def shipped_configs() -> list:
         make_config("float16", 192, 192, causal=True, varlen_q=True, varlen_k=True),
         make_pre_config("bfloat16", 256, varlen_q=False, has_dlse=False, dq_accum_cols=256),
         make_post_config("bfloat16", 256, varlen_q=False),
+        make_config("bfloat16", 256, 256, causal=True, smem_limit=227 * 1024),  # LARGE_SMEM_TILES
     ]
     return configs
 
