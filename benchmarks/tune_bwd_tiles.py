@@ -5,7 +5,8 @@
 
 A candidate is `MxNwWqQ`: M query rows per step, N keys per CTA, W warps (N = 16 W) and Q warps
 along the rows of the dQ product, e.g. `32x128w8q2`. It replaces the tile of the head dim in
-`bwd_config.TILES` (keeping its column tiles), so it runs through the backend's own host path
+`bwd_config.TILES` (keeping its column tiles; `LARGE_SMEM_TILES`, the tile taken where a GPU has
+the shared memory for it, is set aside meanwhile), so it runs through the backend's own host path
 (`cute_bwd.backward`: preprocess, main kernel, postprocess) and differs from the shipped kernel in
 the tile alone. The shipped tile is always measured too, as the baseline.
 
@@ -59,17 +60,20 @@ def configs(args) -> list:
 
 
 def with_tile(d: int, tile, fn):
-    """fn() with `bwd_config.TILES[d]` set to `tile` (and the backend's config cache cleared)."""
+    """fn() with `bwd_config.TILES[d]` set to `tile` and no `LARGE_SMEM_TILES` entry for `d` (so
+    that the tile runs on any GPU it fits), the backend's config cache cleared."""
     from cute_flash.backends import cute_bwd
     from cute_flash.kernels.sm80 import bwd_config as bc
 
-    saved = bc.TILES[d]
+    saved, saved_large = bc.TILES[d], bc.LARGE_SMEM_TILES.pop(d, None)
     bc.TILES[d] = tile
     cute_bwd._configs.cache_clear()
     try:
         return fn()
     finally:
         bc.TILES[d] = saved
+        if saved_large is not None:
+            bc.LARGE_SMEM_TILES[d] = saved_large
         cute_bwd._configs.cache_clear()
 
 

@@ -54,6 +54,47 @@ def test_head_dims_the_backward_cannot_tile_are_refused_by_name(d, dv):
         bc.make_config("bfloat16", d, dv)
 
 
+@pytest.mark.parametrize("d,dv", [(136, 72), (256, 96)])
+def test_head_dims_whose_row_copies_overrun_the_query_block_are_refused_by_name(d, dv):
+    # 48 columns of dV per CTA: 16-column thread rows, 64 rows per pass of 128 threads > 32 rows
+    with pytest.raises(NotImplementedError, match="rows that 128 threads copy per pass"):
+        bc.make_config("bfloat16", d, dv)
+
+
+@pytest.mark.parametrize("d,dv", [(96, 128), (128, 96), (72, 104)])
+def test_head_dims_96_with_128_take_the_4_warp_tile_whose_row_copies_fit(d, dv):
+    # 96 columns copy as 32-column thread rows: 64 rows per pass of the 8-warp tile's 256 threads,
+    # twice the 32 rows of its query block; the 4-warp tile copies 32
+    config = bc.make_config("bfloat16", d, dv)
+    assert (config.tile_m, config.tile_n, config.num_warps) == (32, 64, 4)
+
+
+def test_every_head_dim_pair_gets_a_tile_its_row_copies_cover_or_a_refusal():
+    from cute_flash.kernels.common.tiles import check_row_copy_passes
+
+    for d in range(8, 257, 8):
+        for dv in range(8, 257, 8):
+            for limit in (None, A100_SMEM, 227 * 1024):
+                try:
+                    c = bc.make_config("float16", d, dv, smem_limit=limit)
+                except NotImplementedError:
+                    continue
+                for cols in (c.dk_cols, c.dv_cols):
+                    check_row_copy_passes(16, cols, 32 * c.num_warps, {"tile_m": c.tile_m, "tile_n": c.tile_n})
+
+
+def test_row_copy_passes_must_cover_a_tile_whole():
+    from cute_flash.kernels.common.tiles import check_row_copy_passes
+
+    check_row_copy_passes(16, 128, 256, {"tile_m": 32})  # 8 threads a row: 32 rows a pass
+    with pytest.raises(ValueError, match="tile_m \\(32 rows\\).*64 rows"):
+        check_row_copy_passes(16, 96, 256, {"tile_m": 32})  # 64-byte atom: 4 threads a row
+    with pytest.raises(ValueError, match="48 rows"):
+        check_row_copy_passes(16, 128, 384, {"tile_n": 64})
+    with pytest.raises(ValueError, match="rows that 256 threads"):
+        replace(bc.make_config("bfloat16", 128, 128), head_dim=96)
+
+
 def test_column_tiles_must_tile_the_narrowest_swizzle_atom_and_the_dq_mma():
     with pytest.raises(ValueError, match="multiple of 16"):
         replace(bc.make_config("bfloat16", 256, 256), col_tiles=32)
@@ -70,7 +111,7 @@ def test_pre_and_post_tiles_round_up_to_64_columns():
 
 def test_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 20  # each one is compiled and audited in CI
+    assert len(configs) <= 22  # each one is compiled and audited in CI
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -147,6 +188,28 @@ def test_backward_refuses_a_gpu_without_the_shared_memory_of_its_tile(monkeypatc
         assert backend.backward_refusal(q128, q128, q128, AttnArgs(0.1), False) is None
     monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: A100_SMEM)
     assert CuteSm80Backend().backward_refusal(q256, q256, q256, AttnArgs(0.1), False) is None
+
+
+def test_head_dim_256_takes_the_8_warp_tile_where_the_gpu_has_the_shared_memory(monkeypatch):
+    from cute_flash.backends import cute_bwd
+    from cute_flash.backends.cute_bwd import configs
+
+    h100 = bc.make_config("bfloat16", 256, 256, smem_limit=227 * 1024)
+    assert (h100.tile_n, h100.num_warps, h100.col_tiles) == (128, 8, 2) and h100.smem_bytes <= 227 * 1024
+    for limit in (None, A100_SMEM):
+        small = bc.make_config("bfloat16", 256, 256, smem_limit=limit)
+        assert (small.tile_n, small.num_warps) == (64, 4)
+    assert bc.make_config("bfloat16", 128, 128, smem_limit=227 * 1024) == bc.make_config("bfloat16", 128, 128)
+    # where the 8-warp tile's row copies would overrun a 32-row query block (64 or 96 columns
+    # per CTA on one side), the 4-warp tile
+    for d, dv in ((256, 64), (64, 256), (256, 192), (192, 256)):
+        assert bc.make_config("bfloat16", d, dv, smem_limit=227 * 1024).num_warps == 4
+    # the host path asks the GPU of q
+    q = _q(256)
+    monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: 227 * 1024)
+    assert configs(q, q, q, None, AttnArgs(0.1))[1] == bc.make_config("float16", 256, 256, smem_limit=227 * 1024)
+    monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: A100_SMEM)
+    assert configs(q, q, q, None, AttnArgs(0.1))[1].num_warps == 4
 
 
 def test_backward_is_offered_on_sm80_and_on_sm90_through_the_sm80_kernels():

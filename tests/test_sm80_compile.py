@@ -5,6 +5,7 @@ a call, and compiles for sm_80 / sm_90a that must have no spills and the intende
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import warnings
 
 import pytest
@@ -38,6 +39,18 @@ def test_headdims_pad_up_to_the_next_tile(d, tile):
 def test_headdim_above_256_is_rejected():
     with pytest.raises(ValueError, match="264"):
         fc.make_config("float16", 264, 264)
+
+
+def test_tiles_whose_row_copies_would_overrun_a_tile_are_refused():
+    # 12 warps copy 128-column rows 48 at a time: 64 keys are not a whole number of passes (the
+    # copy would write past the K and V tiles; measured on an H200 as an illegal address)
+    with pytest.raises(ValueError, match="tile_n \\(64 rows\\).*48 rows"):
+        replace(fc.make_config("bfloat16", 128, 128), tile_m=192, tile_n=64, num_warps=12)
+    # every head dim pair builds (the check runs in the config's constructor)
+    for short in (False, True):
+        for d in range(8, 257, 8):
+            for dv in range(8, 257, 8):
+                fc.make_config("float16", d, dv, short_queries=short)
 
 
 def test_headdim_v_tiles_apart_and_picks_the_larger_tile():

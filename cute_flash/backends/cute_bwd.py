@@ -53,9 +53,10 @@ def sm90_kernel_cache() -> KernelCache:
 
 
 def configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple:
-    """(preprocess, main, postprocess) configurations for a validated call."""
+    """(preprocess, main, postprocess) configurations for a validated call (the main kernel's tile
+    may depend on the shared memory of q's GPU)."""
     return _configs("sm80", _DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], dlse is not None,
-                    tuple(kernel_flags(args).items()), deterministic)
+                    tuple(kernel_flags(args).items()), deterministic, _smem_optin(q.device))
 
 
 def sm90_configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple:
@@ -71,7 +72,7 @@ def sm90_configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> 
 
 @functools.lru_cache(maxsize=256)
 def _configs(arch: str, dtype: str, head_dim: int, head_dim_v: int, has_dlse: bool, flags: tuple,
-             deterministic: bool) -> tuple:
+             deterministic: bool, smem_limit: Optional[int] = None) -> tuple:
     """(preprocess, main, postprocess) for the call's dtype, head dims and kernel flags, built once
     per such key: a backward asks for them twice (whether the kernel takes the call, then to run
     it). A call the main kernel refuses raises every time (exceptions are not cached)."""
@@ -82,7 +83,8 @@ def _configs(arch: str, dtype: str, head_dim: int, head_dim_v: int, has_dlse: bo
     if arch == "sm90":
         main = sm90_bwd_config.make_config(dtype, head_dim, head_dim_v, **flags)
     else:
-        main = bwd_config.make_config(dtype, head_dim, head_dim_v, deterministic=deterministic, **flags)
+        main = bwd_config.make_config(dtype, head_dim, head_dim_v, smem_limit=smem_limit, deterministic=deterministic,
+                                      **flags)
     # the preprocess kernel also clears the dQ accumulator, as wide as the main kernel's tile
     pre = bwd_config.make_pre_config(dtype, head_dim_v, varlen_q=flags["varlen_q"], has_dlse=has_dlse,
                                      dq_accum_cols=main.head_dim)

@@ -121,7 +121,8 @@ def test_bwd_varlen_and_seqused_k(d, causal, seqused):
 
 
 @pytest.mark.parametrize("d,dv", [(128, 64), (64, 128), (40, 96), (80, 80), (256, 128), (128, 192), (160, 200),
-                                  (192, 128), (256, 64), (64, 256)])
+                                  (192, 128), (256, 64), (64, 256), (96, 128), (128, 96),
+                                  (256, 192)])
 def test_bwd_headdim_v_differs_and_padded_headdims(d, dv):
     torch.manual_seed(d + dv)
     q = randn_in_nan((2, 211, 4, d), torch.float16, row_dim=1, pad_rows=3, pad_cols=8)
@@ -164,6 +165,22 @@ def test_bwd_expanded_dout_is_accepted():
     _backend().bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, False)
     torch.cuda.synchronize()
     check_backward((dq, dk, dv), dout, None, q, k, v, out, lse, args)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_hd256_on_the_tile_of_a100_shared_memory(monkeypatch, causal, seqlen_q, seqlen_k):
+    """On an H100 / H200 head dim 256 takes the 8-warp tile (`LARGE_SMEM_TILES`); the 4-warp tile
+    that an A100 takes (163 KB per CTA) is checked here on the same GPU."""
+    from cute_flash.backends import cute_bwd
+
+    monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: 163 * 1024)
+    torch.manual_seed(seqlen_q + causal)
+    q = torch.randn(2, seqlen_q, 3, 256, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(2, seqlen_k, 3, 256, 256, torch.bfloat16)
+    args = _args(256, causal=causal, window_right=0 if causal else -1)
+    assert cute_bwd.configs(q, k, v, None, args)[1].num_warps == 4
+    _check(q, k, v, args)
 
 
 @pytest.mark.parametrize("d", [128, 256])

@@ -32,8 +32,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-# Every copy into or out of a tile moves 128 bits per thread per instruction.
-COPY_BITS = 128
+from .tiles import COPY_BITS, swizzle_atom_bytes
 
 
 @dataclass(frozen=True)
@@ -53,15 +52,8 @@ def swizzle_params(elem_bits: int, cols: int) -> SwizzleParams:
         raise ValueError(f"elem_bits must be 8, 16 or 32, got {elem_bits}")
     elems_per_chunk = COPY_BITS // elem_bits  # elements in one 16-byte chunk
     base = elems_per_chunk.bit_length() - 1  # log2(elements per chunk)
-    row_bytes = cols * elem_bits // 8
-    if row_bytes % 128 == 0:
-        atom_bytes, bits = 128, 3
-    elif row_bytes % 64 == 0:
-        atom_bytes, bits = 64, 2
-    elif row_bytes % 32 == 0:
-        atom_bytes, bits = 32, 1
-    else:
-        raise ValueError(f"a row of {cols} x {elem_bits}-bit elements is not a multiple of 32 bytes")
+    atom_bytes = swizzle_atom_bytes(elem_bits, cols)
+    bits = {128: 3, 64: 2, 32: 1}[atom_bytes]
     atom_cols = atom_bytes * 8 // elem_bits
     # The XOR source is the index of the 128-byte line (8 chunks of 16 bytes): shift 3 above
     # the chunk bits, whatever the atom width, so that rows sharing a line index never collide.

@@ -33,3 +33,29 @@ def check_attention_config(config, dtypes: tuple, tile_headdims: tuple) -> None:
             raise ValueError(f"{name} must be one of {tile_headdims}; got {getattr(config, name)}")
     if config.causal and config.local:
         raise ValueError("causal and local exclude each other (causal is the window (-1, 0))")
+
+
+# Every copy into or out of a shared-memory tile moves 128 bits per thread per instruction.
+COPY_BITS = 128
+
+
+def swizzle_atom_bytes(elem_bits: int, cols: int) -> int:
+    """Bytes in a row of the swizzle atom of a tile whose rows hold `cols` elements: the widest of
+    128, 64 and 32 that divides a row."""
+    row_bytes = cols * elem_bits // 8
+    for atom_bytes in (128, 64, 32):
+        if row_bytes % atom_bytes == 0:
+            return atom_bytes
+    raise ValueError(f"a row of {cols} x {elem_bits}-bit elements is not a multiple of 32 bytes")
+
+
+def check_row_copy_passes(elem_bits: int, cols: int, num_threads: int, rows: dict) -> None:
+    """Raise ValueError unless each tile of `rows` ({name: row count}) is a whole number of the
+    passes of a `num_threads` 128-bit row copy of rows of `cols` elements (one thread per chunk
+    of an atom row): a tile with fewer rows than a pass, or not a multiple of them, would be
+    copied past its end, into whatever shared memory follows it."""
+    per_pass = num_threads // (swizzle_atom_bytes(elem_bits, cols) * 8 // COPY_BITS)
+    for name, n in rows.items():
+        if n % per_pass:
+            raise ValueError(f"{name} ({n} rows) is not a whole number of the {per_pass} rows that {num_threads} "
+                             f"threads copy per pass at {cols} columns")

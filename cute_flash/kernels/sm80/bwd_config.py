@@ -25,17 +25,18 @@ a column tile's width (`smem_layout_tile(..., atom_cols_of=)`), so a column tile
 own bytes from an offset, with the same swizzle (at 192: 96-column tiles of 32-column panels).
 Head dim 256 takes 100 KB of shared memory (the full K, V, Q and dO tiles), which fits the A100
 and the H100 / H200, not the 99 KB of sm_86 / sm_89 parts, whose backward then goes to the
-reference backend (`check_smem`); 192 takes 76 KB.
+reference backend (`check_smem`); 192 takes 76 KB. Where a CTA may take 172 KB (H100 / H200),
+head dim 256 takes 128 keys per CTA with 8 warps instead (`LARGE_SMEM_TILES`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from ..common.fake_tensors import (element_type, fake_int_vector, fake_sequence_vectors, fake_stream, fake_tensor,
                                    fake_tokens)
-from ..common.tiles import align_up, check_attention_config, pad_headdim
+from ..common.tiles import align_up, check_attention_config, check_row_copy_passes, pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128, 192, 256)
 DTYPES = ("float16", "bfloat16")
@@ -57,8 +58,18 @@ TILES = {
     192: BwdTile(32, 64, 4, 2, col_tiles=2),
     256: BwdTile(32, 64, 4, 2, col_tiles=2),
 }
+# Head dims up to 128 whose row copies do not cover the table's 8-warp tile in whole passes
+# (96 with 128: a 96-column row copies 32 columns per thread row, 64 rows per pass of 256 threads,
+# more than the 32 rows of a query block) take the 4-warp tile of head dim 96.
+ROW_COPY_FALLBACK = BwdTile(32, 64, 4, 2)
 # columns of the narrowest swizzle atom (32 bytes of 16-bit elements): a column tile's width
 ATOM_COLS_MIN = 16
+# Where a CTA may have more shared memory (H100 / H200: 227 KB): 128 keys per CTA with 8 warps,
+# which halves the loads of Q, dO, LSE and D and the dQ additions per key as at head dim 128
+# (172 KB; compiles without spills for sm_80 and sm_90a). Chosen by `make_config(smem_limit=)`.
+LARGE_SMEM_TILES = {
+    256: BwdTile(32, 128, 8, 2, col_tiles=2),
+}
 
 
 class UnsupportedHeadDim(NotImplementedError):
@@ -107,6 +118,8 @@ class Sm80BwdConfig:
         if self.col_tiles > 1 and self.dk_cols % self.dq_tile_cols:
             raise ValueError(f"dK's {self.dk_cols} columns per CTA are not a multiple of the dQ MMA's "
                              f"{self.dq_tile_cols}")
+        for cols in (self.dk_cols, self.dv_cols):  # Q, K and dO, V come by 128-bit row copies
+            check_row_copy_passes(16, cols, 32 * self.num_warps, {"tile_m": self.tile_m, "tile_n": self.tile_n})
 
     @property
     def dq_tile_cols(self) -> int:
@@ -212,16 +225,47 @@ def make_post_config(dtype: str, head_dim: int, varlen_q: bool) -> Sm80BwdPostCo
     return Sm80BwdPostConfig(dtype, cols, cols != head_dim, varlen_q)
 
 
-def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm80BwdConfig:
-    """The configuration for actual head dims (multiples of 8 up to 256) and feature flags."""
+def make_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: Optional[int] = None,
+                **flags) -> Sm80BwdConfig:
+    """The configuration for actual head dims (multiples of 8 up to 256) and feature flags;
+    `smem_limit` (a CTA's shared memory on the GPU, bytes) lets a larger tile of
+    `LARGE_SMEM_TILES` be taken where it fits.
+
+    A pair of head dims whose row copies do not cover the table's tile in whole passes
+    (`check_row_copy_passes`: a column count with a narrow swizzle atom, on many threads) takes
+    `ROW_COPY_FALLBACK` where that fits, else is refused by name."""
     hd, hdv = (pad_headdim(d, TILE_HEADDIMS, UnsupportedHeadDim) for d in (head_dim, head_dim_v))
     tile = TILES[max(hd, hdv)]
+    refusal = _tile_refusal(tile, hd, hdv)
+    if refusal and tile.col_tiles == 1 and not _tile_refusal(ROW_COPY_FALLBACK, hd, hdv):
+        tile, refusal = ROW_COPY_FALLBACK, None
+    if refusal:
+        raise UnsupportedHeadDim(f"the sm_80 backward kernel does not take head dims {head_dim} (Q, K) and "
+                                 f"{head_dim_v} (V): {refusal}")
+    large = LARGE_SMEM_TILES.get(max(hd, hdv))
+    if smem_limit is not None and large is not None and not _tile_refusal(large, hd, hdv):
+        wide = _config_for_tile(large, dtype, head_dim, head_dim_v, hd, hdv, flags)
+        if wide.smem_bytes <= smem_limit:
+            return wide
+    return _config_for_tile(tile, dtype, head_dim, head_dim_v, hd, hdv, flags)
+
+
+def _tile_refusal(tile: BwdTile, hd: int, hdv: int) -> Optional[str]:
+    """Why `tile` cannot take padded head dims (hd, hdv), or None."""
     step = dq_tile_cols(tile.num_warps, tile.dq_warps_m)
     if tile.col_tiles > 1 and (hd // tile.col_tiles) % step:
-        raise UnsupportedHeadDim(
-            f"the sm_80 backward kernel at head dims {head_dim} (Q, K) and {head_dim_v} (V) would give each of its "
-            f"{tile.col_tiles} CTAs per key block {hd // tile.col_tiles} columns of dQ, not a multiple of {step}"
-        )
+        return (f"each of its {tile.col_tiles} CTAs per key block would have {hd // tile.col_tiles} columns of dQ, "
+                f"not a multiple of {step}")
+    try:
+        for cols in (hd // tile.col_tiles, hdv // tile.col_tiles):
+            check_row_copy_passes(16, cols, 32 * tile.num_warps, {"tile_m": tile.tile_m, "tile_n": tile.tile_n})
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _config_for_tile(tile: BwdTile, dtype: str, head_dim: int, head_dim_v: int, hd: int, hdv: int,
+                     flags: dict) -> Sm80BwdConfig:
     return Sm80BwdConfig(
         dtype=dtype,
         head_dim=hd,
@@ -260,8 +304,10 @@ def shipped_configs() -> list:
         make_post_config("float16", 96, varlen_q=True),
         make_config("bfloat16", 192, 128, local=True, softcap=True, deterministic=True),
         make_config("float16", 192, 192, causal=True, varlen_q=True, varlen_k=True),
+        make_config("float16", 96, 128, causal=True),  # ROW_COPY_FALLBACK
         make_pre_config("bfloat16", 256, varlen_q=False, has_dlse=False, dq_accum_cols=256),
         make_post_config("bfloat16", 256, varlen_q=False),
+        make_config("bfloat16", 256, 256, causal=True, smem_limit=227 * 1024),  # LARGE_SMEM_TILES
     ]
     return configs
 
