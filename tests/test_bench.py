@@ -380,7 +380,7 @@ def test_bwd_tile_candidates_replace_only_the_tile_and_restore_the_table():
         tile_n=128, num_warps=8)
     with pytest.raises(ValueError, match="MxNwWqQ"):
         tune_bwd_tiles.parse_candidate("32x128w8", shipped_tile)
-    args = argparse.Namespace(dtype="bfloat16", head_dim=256, causal=True, candidates=["32x128w8q2", "32x100w8q2"])
+    args = argparse.Namespace(dtype="bfloat16", head_dim=256, causal=True, candidates=["32x128w8q2", "32x96w8q2"])
     (label, _, shipped, _), (_, tile, tuned, _), (_, _, bad, why) = tune_bwd_tiles.configs(args)
     assert label == "shipped" and shipped == bc.make_config("bfloat16", 256, 256, causal=True)
     assert (tuned.tile_n, tuned.num_warps, tuned.col_tiles, tuned.causal, tuned.check_hdim) == (128, 8, 2, True, False)
