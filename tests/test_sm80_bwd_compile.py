@@ -79,18 +79,18 @@ def test_every_head_dim_pair_gets_a_tile_its_row_copies_cover_or_a_refusal():
                     c = bc.make_config("float16", d, dv, smem_limit=limit)
                 except NotImplementedError:
                     continue
-                for cols in (c.dk_cols, c.dv_cols):
-                    check_row_copy_passes(16, cols, 32 * c.num_warps, {"tile_m": c.tile_m, "tile_n": c.tile_n})
+                check_row_copy_passes(16, (c.dk_cols, c.dv_cols), 32 * c.num_warps,
+                                      {"tile_m": c.tile_m, "tile_n": c.tile_n})
 
 
 def test_row_copy_passes_must_cover_a_tile_whole():
     from cute_flash.kernels.common.tiles import check_row_copy_passes
 
-    check_row_copy_passes(16, 128, 256, {"tile_m": 32})  # 8 threads a row: 32 rows a pass
+    check_row_copy_passes(16, (128,), 256, {"tile_m": 32})  # 8 threads a row: 32 rows a pass
     with pytest.raises(ValueError, match="tile_m \\(32 rows\\).*64 rows"):
-        check_row_copy_passes(16, 96, 256, {"tile_m": 32})  # 64-byte atom: 4 threads a row
+        check_row_copy_passes(16, (128, 96), 256, {"tile_m": 32})  # 64-byte atom: 4 threads a row
     with pytest.raises(ValueError, match="48 rows"):
-        check_row_copy_passes(16, 128, 384, {"tile_n": 64})
+        check_row_copy_passes(16, (128,), 384, {"tile_n": 64})
     with pytest.raises(ValueError, match="rows that 256 threads"):
         replace(bc.make_config("bfloat16", 128, 128), head_dim=96)
 

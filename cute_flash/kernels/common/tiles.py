@@ -49,13 +49,14 @@ def swizzle_atom_bytes(elem_bits: int, cols: int) -> int:
     raise ValueError(f"a row of {cols} x {elem_bits}-bit elements is not a multiple of 32 bytes")
 
 
-def check_row_copy_passes(elem_bits: int, cols: int, num_threads: int, rows: dict) -> None:
+def check_row_copy_passes(elem_bits: int, widths: tuple, num_threads: int, rows: dict) -> None:
     """Raise ValueError unless each tile of `rows` ({name: row count}) is a whole number of the
-    passes of a `num_threads` 128-bit row copy of rows of `cols` elements (one thread per chunk
-    of an atom row): a tile with fewer rows than a pass, or not a multiple of them, would be
-    copied past its end, into whatever shared memory follows it."""
-    per_pass = num_threads // (swizzle_atom_bytes(elem_bits, cols) * 8 // COPY_BITS)
-    for name, n in rows.items():
-        if n % per_pass:
-            raise ValueError(f"{name} ({n} rows) is not a whole number of the {per_pass} rows that {num_threads} "
-                             f"threads copy per pass at {cols} columns")
+    passes of a `num_threads` 128-bit row copy of rows of each width in `widths` (elements; one
+    thread per chunk of an atom row): a tile with fewer rows than a pass, or not a multiple of
+    them, would be copied past its end, into whatever shared memory follows it."""
+    for cols in widths:
+        per_pass = num_threads // (swizzle_atom_bytes(elem_bits, cols) * 8 // COPY_BITS)
+        for name, n in rows.items():
+            if n % per_pass:
+                raise ValueError(f"{name} ({n} rows) is not a whole number of the {per_pass} rows that "
+                                 f"{num_threads} threads copy per pass at {cols} columns")

@@ -118,8 +118,9 @@ class Sm80BwdConfig:
         if self.col_tiles > 1 and self.dk_cols % self.dq_tile_cols:
             raise ValueError(f"dK's {self.dk_cols} columns per CTA are not a multiple of the dQ MMA's "
                              f"{self.dq_tile_cols}")
-        for cols in (self.dk_cols, self.dv_cols):  # Q, K and dO, V come by 128-bit row copies
-            check_row_copy_passes(16, cols, 32 * self.num_warps, {"tile_m": self.tile_m, "tile_n": self.tile_n})
+        # Q, K and dO, V come by 128-bit row copies
+        check_row_copy_passes(16, (self.dk_cols, self.dv_cols), 32 * self.num_warps,
+                              {"tile_m": self.tile_m, "tile_n": self.tile_n})
 
     @property
     def dq_tile_cols(self) -> int:
@@ -257,8 +258,8 @@ def _tile_refusal(tile: BwdTile, hd: int, hdv: int) -> Optional[str]:
         return (f"each of its {tile.col_tiles} CTAs per key block would have {hd // tile.col_tiles} columns of dQ, "
                 f"not a multiple of {step}")
     try:
-        for cols in (hd // tile.col_tiles, hdv // tile.col_tiles):
-            check_row_copy_passes(16, cols, 32 * tile.num_warps, {"tile_m": tile.tile_m, "tile_n": tile.tile_n})
+        check_row_copy_passes(16, (hd // tile.col_tiles, hdv // tile.col_tiles), 32 * tile.num_warps,
+                              {"tile_m": tile.tile_m, "tile_n": tile.tile_n})
     except ValueError as exc:
         return str(exc)
     return None

@@ -93,8 +93,9 @@ class Sm80FwdConfig:
                 raise ValueError(f"{flag} needs paged_kv")
         if self.num_stages not in (1, 2):
             raise ValueError(f"num_stages must be 1 or 2; got {self.num_stages}")
-        for cols in (self.head_dim, self.head_dim_v):  # Q, K and V, O come by 128-bit row copies
-            check_row_copy_passes(16, cols, 32 * self.num_warps, {"tile_m": self.tile_m, "tile_n": self.tile_n})
+        # Q, K and V, O come by 128-bit row copies
+        check_row_copy_passes(16, (self.head_dim, self.head_dim_v), 32 * self.num_warps,
+                              {"tile_m": self.tile_m, "tile_n": self.tile_n})
 
     @property
     def smem_bytes(self) -> int:
