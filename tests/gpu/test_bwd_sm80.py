@@ -122,7 +122,7 @@ def test_bwd_varlen_and_seqused_k(d, causal, seqused):
 
 @pytest.mark.parametrize("d,dv", [(128, 64), (64, 128), (40, 96), (80, 80), (256, 128), (128, 192), (160, 200),
                                   (192, 128), (256, 64), (64, 256), (96, 128), (128, 96),
-                                  (256, 192)])
+                                  (256, 192), (256, 96), (136, 72)])
 def test_bwd_headdim_v_differs_and_padded_headdims(d, dv):
     torch.manual_seed(d + dv)
     q = randn_in_nan((2, 211, 4, d), torch.float16, row_dim=1, pad_rows=3, pad_cols=8)

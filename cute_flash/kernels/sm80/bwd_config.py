@@ -58,10 +58,16 @@ TILES = {
     192: BwdTile(32, 64, 4, 2, col_tiles=2),
     256: BwdTile(32, 64, 4, 2, col_tiles=2),
 }
-# Head dims up to 128 whose row copies do not cover the table's 8-warp tile in whole passes
-# (96 with 128: a 96-column row copies 32 columns per thread row, 64 rows per pass of 256 threads,
-# more than the 32 rows of a query block) take the 4-warp tile of head dim 96.
-ROW_COPY_FALLBACK = BwdTile(32, 64, 4, 2)
+# Head dims whose row copies do not cover the table's tile in whole passes take the tile of
+# their column-tile count here: up to 128 (96 with 128: a 96-column row copies 32 columns per
+# thread row, 64 rows per pass of 256 threads, more than the 32 rows of a query block) the 4-warp
+# tile of head dim 96; above (192 or 256 with 96: 48 columns of dV per CTA, 16 per thread row, 64
+# rows per pass of 128 threads) 2 warps and 32 keys per CTA, whose 64 threads copy 32 rows a pass
+# (a 4-warp tile with 64-row query blocks spills with a window or soft-capping on sm_90a).
+ROW_COPY_FALLBACKS = {
+    1: BwdTile(32, 64, 4, 2),
+    2: BwdTile(32, 32, 2, 2, col_tiles=2),
+}
 # columns of the narrowest swizzle atom (32 bytes of 16-bit elements): a column tile's width
 ATOM_COLS_MIN = 16
 # Where a CTA may have more shared memory (H100 / H200: 227 KB): 128 keys per CTA with 8 warps,
@@ -234,12 +240,14 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: Optional
 
     A pair of head dims whose row copies do not cover the table's tile in whole passes
     (`check_row_copy_passes`: a column count with a narrow swizzle atom, on many threads) takes
-    `ROW_COPY_FALLBACK` where that fits, else is refused by name."""
+    the `ROW_COPY_FALLBACKS` tile where that fits, else is refused by name."""
     hd, hdv = (pad_headdim(d, TILE_HEADDIMS, UnsupportedHeadDim) for d in (head_dim, head_dim_v))
     tile = TILES[max(hd, hdv)]
     refusal = _tile_refusal(tile, hd, hdv)
-    if refusal and tile.col_tiles == 1 and not _tile_refusal(ROW_COPY_FALLBACK, hd, hdv):
-        tile, refusal = ROW_COPY_FALLBACK, None
+    if refusal and not _dq_refusal(tile, hd):  # the row copies alone
+        fallback = ROW_COPY_FALLBACKS[tile.col_tiles]
+        if not _tile_refusal(fallback, hd, hdv):
+            tile, refusal = fallback, None
     if refusal:
         raise UnsupportedHeadDim(f"the sm_80 backward kernel does not take head dims {head_dim} (Q, K) and "
                                  f"{head_dim_v} (V): {refusal}")
@@ -253,10 +261,18 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: Optional
 
 def _tile_refusal(tile: BwdTile, hd: int, hdv: int) -> Optional[str]:
     """Why `tile` cannot take padded head dims (hd, hdv), or None."""
+    return _dq_refusal(tile, hd) or _row_copy_refusal(tile, hd, hdv)
+
+
+def _dq_refusal(tile: BwdTile, hd: int) -> Optional[str]:
     step = dq_tile_cols(tile.num_warps, tile.dq_warps_m)
     if tile.col_tiles > 1 and (hd // tile.col_tiles) % step:
         return (f"each of its {tile.col_tiles} CTAs per key block would have {hd // tile.col_tiles} columns of dQ, "
                 f"not a multiple of {step}")
+    return None
+
+
+def _row_copy_refusal(tile: BwdTile, hd: int, hdv: int) -> Optional[str]:
     try:
         check_row_copy_passes(16, (hd // tile.col_tiles, hdv // tile.col_tiles), 32 * tile.num_warps,
                               {"tile_m": tile.tile_m, "tile_n": tile.tile_n})
@@ -305,7 +321,8 @@ def shipped_configs() -> list:
         make_post_config("float16", 96, varlen_q=True),
         make_config("bfloat16", 192, 128, local=True, softcap=True, deterministic=True),
         make_config("float16", 192, 192, causal=True, varlen_q=True, varlen_k=True),
-        make_config("float16", 96, 128, causal=True),  # ROW_COPY_FALLBACK
+        make_config("float16", 96, 128, causal=True),  # ROW_COPY_FALLBACKS
+        make_config("bfloat16", 256, 96, local=True, softcap=True, deterministic=True),
         make_pre_config("bfloat16", 256, varlen_q=False, has_dlse=False, dq_accum_cols=256),
         make_post_config("bfloat16", 256, varlen_q=False),
         make_config("bfloat16", 256, 256, causal=True, smem_limit=227 * 1024),  # LARGE_SMEM_TILES
