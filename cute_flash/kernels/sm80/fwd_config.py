@@ -83,6 +83,9 @@ class Sm80FwdConfig:
     split_kv: bool = False  # each split of the keys writes float32 partial O and LSE (mO/mLSE unused)
     has_lse: bool = True
     min_ctas_per_sm: int = 0
+    # keep a row's max as the exp reference unless it grows by > LAZY_RESCALE_LOG2, and skip a
+    # warp's O rescale when none of its rows changed reference (as the sm_90 kernel does)
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -114,6 +117,8 @@ class Sm80FwdConfig:
             flags.append("paddedv")
         if not self.has_lse:
             flags.append("nolse")
+        if self.lazy_rescale:
+            flags.append("lazy")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}"
         return "_".join(["fwd_sm80", self.dtype, hd, tile] + flags)
@@ -131,6 +136,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
     """
     if flags.get("split_kv"):
         flags["has_lse"] = False
+    flags.setdefault("lazy_rescale", True)
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = (SHORT_QUERY_TILES if short_queries else TILES)[max(hd, hdv)]
     if page_size is not None:
