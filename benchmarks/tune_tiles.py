@@ -4,10 +4,10 @@
     python benchmarks/tune_tiles.py --arch sm_90a --head-dim 128 --causal         # GPU: check, then time
 
 A candidate is `MxN` + `wW` (sm_90a: consumer warpgroups; sm_80: warps) + `sS` (K/V stages),
-with `-nopp` to turn the sm_90 ping-pong off, e.g. `128x176w2s2`, `192x128w3s2-nopp`,
-`128x64w4s2`. Every candidate is built from the shipped configuration of the head dim, dtype
-and mask, with only its tile fields replaced, so it differs from the shipped kernel in the tile
-alone. The shipped tile is always measured too, as the baseline.
+with `-nopp` to turn the sm_90 ping-pong off and `-lazy` / `-eager` to turn the lazy rescale
+on / off, e.g. `128x176w2s2`, `192x128w3s2-nopp`, `128x64w4s2-eager`. Every candidate is built
+from the shipped configuration of the head dim, dtype and mask, with only its tile fields (and
+those flags) replaced, so it differs from the shipped kernel in the tile alone. The shipped tile is always measured too, as the baseline.
 
 `--compile-only` runs the audit of `cute_flash.audit` on each candidate (no GPU needed) and
 prints registers, spill bytes and shared memory: a candidate that spills is not worth timing.
@@ -29,14 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(-nopp)?$")
+_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(-nopp)?(-lazy|-eager)?$")
 
 
 def parse_candidate(spec: str, arch: str) -> dict:
-    """`128x176w2s2[-nopp]` -> the config fields it sets."""
+    """`128x176w2s2[-nopp][-lazy|-eager]` -> the config fields it sets."""
     m = _SPEC.match(spec.strip())
     if not m:
-        raise ValueError(f"candidate {spec!r} is not MxNwWsS[-nopp] (e.g. 128x176w2s2)")
+        raise ValueError(f"candidate {spec!r} is not MxNwWsS[-nopp][-lazy|-eager] (e.g. 128x176w2s2)")
     tile_m, tile_n, workers, stages = (int(g) for g in m.groups()[:4])
     fields = dict(tile_m=tile_m, tile_n=tile_n, num_stages=stages)
     if arch == "sm_90a":
@@ -45,6 +45,8 @@ def parse_candidate(spec: str, arch: str) -> dict:
         if m.group(5):
             raise ValueError("-nopp is an sm_90a option")
         fields.update(num_warps=workers)
+    if m.group(6):
+        fields.update(lazy_rescale=m.group(6) == "-lazy")
     return fields
 
 

@@ -123,6 +123,8 @@ COMPILED = [
     ("sm_80", fc.make_config("bfloat16", 40, 40, local=True, softcap=True)),
     ("sm_80", fc.make_config("float16", 256, 256, causal=True)),
     ("sm_90a", fc.make_config("bfloat16", 128, 128, causal=True)),
+    # the lazy rescale (A/B only, not shipped)
+    ("sm_80", fc.make_config("bfloat16", 64, 64, causal=True, lazy_rescale=True)),
 ]
 
 

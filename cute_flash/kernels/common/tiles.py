@@ -60,3 +60,9 @@ def check_row_copy_passes(elem_bits: int, widths: tuple, num_threads: int, rows:
             if n % per_pass:
                 raise ValueError(f"{name} ({n} rows) is not a whole number of the {per_pass} rows that "
                                  f"{num_threads} threads copy per pass at {cols} columns")
+
+
+# Lag allowed to a row's exp reference behind its maximum with a lazy rescale (`lazy_rescale` of
+# the forward configurations), in log2 units: P <= 2^8 stays exact enough in fp16 / bf16 (as
+# flash-attn-4's sm100 kernel does for 16-bit).
+LAZY_RESCALE_LOG2 = 8.0

@@ -45,6 +45,7 @@ from ..common.paged import PagedKV
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import swizzle_params, smem_layout_tile
 from ..common.softmax import OnlineSoftmax
+from ..common.tiles import LAZY_RESCALE_LOG2
 from ..common.utils import (
     acc_as_operand_a,
     acc_mn_view,
@@ -289,7 +290,8 @@ class FlashFwdSm80:
         if cutlass.const_expr(cfg.split_kv):
             n_block_min = cutlass.max(n_block_min, split_range[0])
             n_block_max = cutlass.min(n_block_max, split_range[1])
-        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(tScS_mn, mode=[0]))
+        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(tScS_mn, mode=[0]),
+                                       LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0)
 
         k_rows_left = seqlen.seqlen_k - (n_block_max - 1) * cfg.tile_n
         lookup_K = None

@@ -83,6 +83,12 @@ class Sm80FwdConfig:
     split_kv: bool = False  # each split of the keys writes float32 partial O and LSE (mO/mLSE unused)
     has_lse: bool = True
     min_ctas_per_sm: int = 0
+    # Keep a row's max as the exp reference unless it grows by > LAZY_RESCALE_LOG2, and skip a
+    # warp's O rescale when none of its rows changed reference (as the sm_90 kernel does). Off in
+    # every shipped configuration, for A/B (`tune_tiles.py -lazy`): on an H200 (bf16, one run
+    # each) hd64 2 x 8192 went 333.8 -> 355.1 TFLOP/s, hd128 level (350.8 -> 349.8; 8 x 2048 331.4
+    # -> 335.0) but causal 333.9 -> 320.3, hd256 level; the GPU tests pass with it on.
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -114,6 +120,8 @@ class Sm80FwdConfig:
             flags.append("paddedv")
         if not self.has_lse:
             flags.append("nolse")
+        if self.lazy_rescale:
+            flags.append("lazy")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}"
         return "_".join(["fwd_sm80", self.dtype, hd, tile] + flags)

@@ -68,8 +68,9 @@ from ..common.mask import AttentionMask
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
 from ..common.softmax import OnlineSoftmax
+from ..common.tiles import LAZY_RESCALE_LOG2
 from ..common.utils import acc_mn_view, col_predicate, store_pairs_16bit, tanhf
-from .fwd_config import LAZY_RESCALE_LOG2, Sm90FwdConfig
+from .fwd_config import Sm90FwdConfig
 from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
 
 # Named barriers (0 is __syncthreads): the consumers' epilogue, one per consumer warpgroup (up to

@@ -79,9 +79,6 @@ REGISTERS = {2: (240, 24), 3: (160, 32)}
 
 SMEM_LIMIT = 227 * 1024
 
-# Lag allowed to a row's exp reference behind its maximum with `lazy_rescale`, in log2 units:
-# P <= 2^8 stays exact enough in fp16 / bf16 (as flash-attn-4's sm100 kernel does for 16-bit).
-LAZY_RESCALE_LOG2 = 8.0
 
 
 @dataclass(frozen=True)
