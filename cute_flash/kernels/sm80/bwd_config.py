@@ -27,6 +27,12 @@ Head dim 256 takes 100 KB of shared memory (the full K, V, Q and dO tiles), whic
 and the H100 / H200, not the 99 KB of sm_86 / sm_89 parts, whose backward then goes to the
 reference backend (`check_smem`); 192 takes 76 KB. Where a CTA may take 172 KB (H100 / H200),
 head dim 256 takes 128 keys per CTA with 8 warps instead (`LARGE_SMEM_TILES`).
+
+Q, K, V and dO come into shared memory by 128-bit row copies, one thread per 16-byte chunk of a
+swizzle-atom row, so a pass of the CTA's threads covers fewer rows the wider the atom: every
+tile must be a whole number of passes (`check_row_copy_passes`), or the copy runs past it into
+the next buffer. Pairs of head dims whose columns per CTA have a narrow atom (96 with 128, 192
+or 256 with 96) take the tile of `ROW_COPY_FALLBACKS` instead of the table's.
 """
 
 from __future__ import annotations
