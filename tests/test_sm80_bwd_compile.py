@@ -202,7 +202,7 @@ def test_head_dim_256_takes_the_8_warp_tile_where_the_gpu_has_the_shared_memory(
         small = bc.make_config("bfloat16", 256, 256, smem_limit=limit)
         assert (small.tile_n, small.num_warps) == (64, 4)
     assert bc.make_config("bfloat16", 128, 128, smem_limit=227 * 1024) == bc.make_config("bfloat16", 128, 128)
-    # where the 8-warp tile's row copies would overrun a 32-row query block (64 or 96 columns
+    # where the 8-warp tile's row copies would overrun a 32-row query block (32 or 96 columns
     # per CTA on one side), the 4-warp tile
     for d, dv in ((256, 64), (64, 256), (256, 192), (192, 256)):
         assert bc.make_config("bfloat16", d, dv, smem_limit=227 * 1024).num_warps == 4

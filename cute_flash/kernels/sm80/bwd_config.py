@@ -127,17 +127,9 @@ class Sm80BwdConfig:
         if self.head_dim % (ATOM_COLS_MIN * self.col_tiles) or self.head_dim_v % (ATOM_COLS_MIN * self.col_tiles):
             raise ValueError(f"col_tiles={self.col_tiles} must cut head dims {self.head_dim} and {self.head_dim_v} "
                              f"into column tiles of a multiple of {ATOM_COLS_MIN} columns")
-        if self.col_tiles > 1 and self.dk_cols % self.dq_tile_cols:
-            raise ValueError(f"dK's {self.dk_cols} columns per CTA are not a multiple of the dQ MMA's "
-                             f"{self.dq_tile_cols}")
-        # Q, K and dO, V come by 128-bit row copies
-        check_row_copy_passes(16, (self.dk_cols, self.dv_cols), 32 * self.num_warps,
-                              {"tile_m": self.tile_m, "tile_n": self.tile_n})
-
-    @property
-    def dq_tile_cols(self) -> int:
-        """Columns of one step of the dQ MMA: 16 per warp along the head dim."""
-        return dq_tile_cols(self.num_warps, self.dq_warps_m)
+        refusal = _tile_refusal(self, self.head_dim, self.head_dim_v)
+        if refusal:
+            raise ValueError(refusal)
 
     @property
     def dk_cols(self) -> int:
@@ -218,11 +210,6 @@ class Sm80BwdPostConfig:
         return "_".join(["bwdpost_sm80", self.dtype, f"hd{self.head_dim}"] + flags)
 
 
-def dq_tile_cols(num_warps: int, dq_warps_m: int) -> int:
-    """Columns of one step of the dQ MMA: 16 per warp along the head dim."""
-    return 16 * (num_warps // dq_warps_m)
-
-
 def _row_kernel_cols(d: int) -> int:
     return align_up(d, ROW_KERNEL_COLS)
 
@@ -265,20 +252,23 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: Optional
     return _config_for_tile(tile, dtype, head_dim, head_dim_v, hd, hdv, flags)
 
 
-def _tile_refusal(tile: BwdTile, hd: int, hdv: int) -> Optional[str]:
-    """Why `tile` cannot take padded head dims (hd, hdv), or None."""
+def _tile_refusal(tile, hd: int, hdv: int) -> Optional[str]:
+    """Why `tile` (a `BwdTile`, or a config: the same fields) cannot take padded head dims
+    (hd, hdv), or None: make_config's choice of tile and the config's own check."""
     return _dq_refusal(tile, hd) or _row_copy_refusal(tile, hd, hdv)
 
 
-def _dq_refusal(tile: BwdTile, hd: int) -> Optional[str]:
-    step = dq_tile_cols(tile.num_warps, tile.dq_warps_m)
-    if tile.col_tiles > 1 and (hd // tile.col_tiles) % step:
-        return (f"each of its {tile.col_tiles} CTAs per key block would have {hd // tile.col_tiles} columns of dQ, "
-                f"not a multiple of {step}")
+def _dq_refusal(tile, hd: int) -> Optional[str]:
+    step = 16 * (tile.num_warps // tile.dq_warps_m)  # columns of one step of the dQ MMA: 16 per warp
+    cols = hd // tile.col_tiles
+    if tile.col_tiles > 1 and cols % step:
+        return (f"each of its {tile.col_tiles} CTAs per key block would have {cols} columns of dQ, not a multiple "
+                f"of {step} (the dQ MMA's columns per step)")
     return None
 
 
-def _row_copy_refusal(tile: BwdTile, hd: int, hdv: int) -> Optional[str]:
+def _row_copy_refusal(tile, hd: int, hdv: int) -> Optional[str]:
+    # Q, K and dO, V come by 128-bit row copies
     try:
         check_row_copy_passes(16, (hd // tile.col_tiles, hdv // tile.col_tiles), 32 * tile.num_warps,
                               {"tile_m": tile.tile_m, "tile_n": tile.tile_n})
