@@ -7,7 +7,8 @@ A candidate is `MxN` + `wW` (sm_90a: consumer warpgroups; sm_80: warps) + `sS` (
 with `-nopp` to turn the sm_90 ping-pong off and `-lazy` / `-eager` to turn the lazy rescale
 on / off, e.g. `128x176w2s2`, `192x128w3s2-nopp`, `128x64w4s2-eager`. Every candidate is built
 from the shipped configuration of the head dim, dtype and mask, with only its tile fields (and
-those flags) replaced, so it differs from the shipped kernel in the tile alone. The shipped tile is always measured too, as the baseline.
+those flags) replaced, so it differs from the shipped kernel in those alone. The shipped tile is
+always measured too, as the baseline.
 
 `--compile-only` runs the audit of `cute_flash.audit` on each candidate (no GPU needed) and
 prints registers, spill bytes and shared memory: a candidate that spills is not worth timing.

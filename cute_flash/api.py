@@ -367,9 +367,10 @@ def backward_backend(call: Call, q, k, v, deterministic: bool) -> Backend:
     """The backend that runs the backward of a validated call.
 
     A backend without a GPU-verified backward kernel, or whose kernel cannot take this call
-    (`Backend.backward_refusal`: the sm_80 kernels stop at head dim 256 and, above 128, need
-    100 KB of shared memory per CTA), hands its backward to the reference backend, on the same device: exact and
-    memory-bounded, but PyTorch-speed. `backend_info()` and the README's feature matrix say which
+    (`Backend.backward_refusal`: the sm_80 kernels stop at head dim 256, refuse a few unequal
+    pairs (96 with 192 or 256) and, at 256, need 100 KB of shared memory per CTA), hands its
+    backward to the reference backend, on the same device: exact and memory-bounded, but
+    PyTorch-speed. `backend_info()` and the README's feature matrix say which
     backends do so.
     """
     if call.args.page_table is not None:

@@ -173,12 +173,13 @@ class Sm90BwdConfig:
     # 1.36-1.39 -> 1.23-1.30, causal 0.75-0.83 -> 0.68-0.72; at 64 1.69-1.70 -> 1.63-1.68, causal
     # 0.93-0.98 -> 0.88-0.91; 8 x 2048 at 128 1.57-1.58 -> 1.33-1.38, causal 0.92-1.04 -> 0.82-0.84.
     dkv_staged: bool = False
-    # With 128-row query blocks (`tile_m` 128; an A/B configuration, not shipped): each warpgroup
+    # With 128-row query blocks (`tile_m` 128, `WIDE_TILES`: head dim 64): each warpgroup
     # computes dQ for 64 of the block's rows over all the CTA's keys (flash-attn-4's layout at
     # head dim 64), instead of half the columns (`dq_split`) or a partial over its own keys.
     dq_rows: bool = False
     # dV += P^T dO issued once dS^T is formed (flash-attn-4's order) instead of before: no GEMM
-    # is in flight while dS^T is computed, P^T's 16-bit registers live across it instead. A/B only.
+    # is in flight while dS^T is computed, P^T's 16-bit registers live across it instead. Shipped
+    # with the 128-row tile (`WIDE_TILES`); at head dims 96 and 128 level or slower (A/B "dV after dS").
     dv_after_ds: bool = False
 
     tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup

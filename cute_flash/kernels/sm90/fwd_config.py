@@ -80,7 +80,6 @@ REGISTERS = {2: (240, 24), 3: (160, 32)}
 SMEM_LIMIT = 227 * 1024
 
 
-
 @dataclass(frozen=True)
 class Sm90FwdConfig:
     dtype: str  # "float16" | "bfloat16"
