@@ -44,6 +44,14 @@ def test_page_size_selects_shift_and_mask_and_one_lookup_per_tile(page_size, pow
     assert ("page_size_pow2" in config.name, "pages_hold_tiles" in config.name) == (pow2, whole_tiles)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_prefill_tiles_look_pages_up_per_row(head_dim):
+    """One lookup per tile is for the decode tiles only: the prefill tiles spilled with it."""
+    config = fc.make_config("bfloat16", head_dim, head_dim, page_size=256, causal=True)
+    assert config.paged_kv and config.page_size_pow2 and not config.pages_hold_tiles
+    assert fc.make_config("bfloat16", head_dim, head_dim, short_queries=True, page_size=256).pages_hold_tiles
+
+
 @pytest.mark.parametrize("flag", ["page_size_pow2", "pages_hold_tiles"])
 def test_page_flags_need_a_paged_cache(flag):
     with pytest.raises(ValueError, match=flag):
@@ -60,9 +68,9 @@ def test_paged_kv_excludes_packed_keys():
         fc.make_config("bfloat16", 128, 128, paged_kv=True, varlen_k=True)
 
 
-def test_at_most_six_shipped_inference_configs_and_a_combine_for_each_split_one():
+def test_at_most_eight_shipped_inference_configs_and_a_combine_for_each_split_one():
     inference = [c for c in fc.shipped_configs() if c.paged_kv or c.split_kv]
-    assert 1 <= len(inference) <= 6
+    assert 1 <= len(inference) <= 8
     splits = [c for c in inference if c.split_kv]
     combines = cc.shipped_configs()
     assert {(c.dtype, c.head_dim_v, c.tile_n, c.varlen_q) for c in splits} == {

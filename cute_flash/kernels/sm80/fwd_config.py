@@ -142,8 +142,11 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = (SHORT_QUERY_TILES if short_queries else TILES)[max(hd, hdv)]
     if page_size is not None:
+        # One page-table lookup per key block where pages hold whole tiles, on the short-query
+        # (decode) tiles only: the prefill tiles spill with it (hd64 causal 136/144 B for sm_90a,
+        # hd128 8/8) and look the pages up per row, as for smaller pages.
         flags.update(paged_kv=True, page_size_pow2=page_size & (page_size - 1) == 0,
-                     pages_hold_tiles=page_size % tile.tile_n == 0)
+                     pages_hold_tiles=short_queries and page_size % tile.tile_n == 0)
     return Sm80FwdConfig(
         dtype=dtype,
         head_dim=hd,
@@ -191,6 +194,9 @@ def shipped_configs() -> list:
         make_config("bfloat16", 128, 128, short_queries=True),
         make_config("float16", 128, 128, short_queries=True, causal=True, seqused_k=True),
         make_config("float16", 128, 128, page_size=16, causal=True),
+        # prefill tiles over pages that hold whole tiles (looked up per row; see make_config)
+        make_config("bfloat16", 64, 64, page_size=256, causal=True, softcap=True),
+        make_config("bfloat16", 128, 128, page_size=256, causal=True),
         make_config("bfloat16", 128, 128, split_kv=True, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("float16", 40, 40, page_size=24, varlen_q=True, split_kv=True, local=True),
     ]
