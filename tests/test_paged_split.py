@@ -44,12 +44,14 @@ def test_page_size_selects_shift_and_mask_and_one_lookup_per_tile(page_size, pow
     assert ("page_size_pow2" in config.name, "pages_hold_tiles" in config.name) == (pow2, whole_tiles)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_prefill_tiles_look_pages_up_per_row(head_dim):
-    """One lookup per tile is for the decode tiles only: the prefill tiles spilled with it."""
-    config = fc.make_config("bfloat16", head_dim, head_dim, page_size=256, causal=True)
-    assert config.paged_kv and config.page_size_pow2 and not config.pages_hold_tiles
-    assert fc.make_config("bfloat16", head_dim, head_dim, short_queries=True, page_size=256).pages_hold_tiles
+@pytest.mark.parametrize("head_dim,causal,short,per_row", [
+    (64, True, False, True), (64, True, True, True), (64, False, False, False), (128, False, False, True),
+    (128, True, True, False), (96, True, False, False), (256, True, False, False),
+])
+def test_tiles_that_spill_with_one_page_lookup_per_tile_look_up_per_row(head_dim, causal, short, per_row):
+    """One lookup per tile spilled on hd128's 128x128 tile and on hd64's causal tile."""
+    config = fc.make_config("bfloat16", head_dim, head_dim, short_queries=short, page_size=256, causal=causal)
+    assert config.paged_kv and config.page_size_pow2 and config.pages_hold_tiles == (not per_row)
 
 
 @pytest.mark.parametrize("flag", ["page_size_pow2", "pages_hold_tiles"])

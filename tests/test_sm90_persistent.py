@@ -75,6 +75,10 @@ def test_persistent_flag_names_smem_and_table():
     assert not fc.make_config("bfloat16", 128, 128).tile_counter
     assert not fc.make_config("bfloat16", 64, 64, causal=True, softcap=True).persistent
     assert fc.make_config("bfloat16", 96, 96, causal=True, softcap=True).tile_counter
+    # and hd96 with seqused_k (80-88 B spilled in the persistent loop)
+    for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True}):
+        assert not fc.make_config("bfloat16", 96, 96, seqused_k=True, **flags).persistent
+    assert fc.make_config("bfloat16", 64, 64, seqused_k=True).persistent
     assert not fc.make_config("bfloat16", 64, 64, causal=True, persistent=False).tile_counter  # (for A/B)
     with pytest.raises(ValueError, match="tile_counter"):
         fc.make_config("bfloat16", 256, 256, causal=True, tile_counter=True)

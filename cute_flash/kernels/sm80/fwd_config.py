@@ -142,11 +142,14 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = (SHORT_QUERY_TILES if short_queries else TILES)[max(hd, hdv)]
     if page_size is not None:
-        # One page-table lookup per key block where pages hold whole tiles, on the short-query
-        # (decode) tiles only: the prefill tiles spill with it (hd64 causal 136/144 B for sm_90a,
-        # hd128 8/8) and look the pages up per row, as for smaller pages.
+        # One page-table lookup per key block where pages hold whole tiles, except where the
+        # table's tile spills with it and looks the pages up per row instead, as for smaller
+        # pages: hd128's 128x128 tile (8/8 B for sm_90a) and hd64's with a causal mask (136/144 B
+        # for sm_90a, 84/84 for sm_80). hd256 goes the other way: per row it spills with softcap.
+        key = max(hd, hdv)
+        per_row = tile == TILES[key] and (key == 128 or (key == 64 and flags.get("causal", False)))
         flags.update(paged_kv=True, page_size_pow2=page_size & (page_size - 1) == 0,
-                     pages_hold_tiles=short_queries and page_size % tile.tile_n == 0)
+                     pages_hold_tiles=page_size % tile.tile_n == 0 and not per_row)
     return Sm80FwdConfig(
         dtype=dtype,
         head_dim=hd,

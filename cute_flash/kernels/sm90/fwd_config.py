@@ -13,7 +13,7 @@ together. Shared memory: Q (reused for O; apart from it in a persistent configur
 persistent (one CTA per SM walking the tiles, `fwd.py`); with a causal mask the CTAs take their
 tiles from a counter (`tile_counter`), because tiles of unequal length taken by a fixed stride
 leave some SMs with much more work than others. At 64, causal + softcap would spill at 160
-registers with that loop and takes one CTA per tile. 192 / 256 are not persistent (Q and O
+registers with that loop, and so would 96 with seqused_k (80-88 B): those take one CTA per tile. 192 / 256 are not persistent (Q and O
 apart do not fit at 256).
 
 Causal schedules of the same kernel on an H200 (bf16, 16k tokens, hidden 2048, do_bench,
@@ -183,10 +183,13 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     # Causal tiles differ in length: a fixed stride over them balanced the SMs worse than the
     # hardware's grid scheduler (benchmarks/ab_sm90_fwd.py on an H200, b2 x 8192 x 16 heads, hd128,
     # bf16: causal grid 604 TFLOP/s, persistent CTAs 544); persistent causal CTAs therefore take
-    # their tiles from a counter (`tile_counter`). At hd 64, causal + softcap spills with the
-    # counter loop at 160 registers: that one stays on the grid.
+    # their tiles from a counter (`tile_counter`). Persistent loops that spill stay on the grid:
+    # hd64 causal + softcap (the counter loop at 160 registers) and hd96 with seqused_k (zeroing
+    # the V rows past it; 80-88 B for sm_90a).
     causal = flags.get("causal", False)
-    flags.setdefault("persistent", tile.persistent and not (causal and hd == 64 and flags.get("softcap", False)))
+    spills_persistent = ((causal and hd == 64 and flags.get("softcap", False))
+                         or (max(hd, hdv) == 96 and flags.get("seqused_k", False)))
+    flags.setdefault("persistent", tile.persistent and not spills_persistent)
     flags.setdefault("tile_counter", flags["persistent"] and causal)
     return Sm90FwdConfig(
         dtype=dtype,
@@ -222,7 +225,8 @@ def shipped_configs() -> list:
             replace(base, seqused_k=True),
             replace(base, has_lse=False),
         ]
-    configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64)]
+    configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64),
+                make_config("bfloat16", 96, 96, seqused_k=True, causal=True)]
     # the eager rescale (every block moves the exp reference), kept for benchmarks/ab_sm90_fwd.py
     configs += [make_config("bfloat16", d, d, causal=causal, lazy_rescale=False)
                 for d in (64, 128, 256) for causal in (False, True)]
