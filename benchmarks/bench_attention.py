@@ -6,9 +6,9 @@ backward, its gradients) is checked against cute_flash's float32 reference with 
 tolerance; a provider that fails is reported as `wrong`, never timed. Times are
 `triton.testing.do_bench` medians after warm-up (CUDA events if Triton is missing); FLOPs and
 bytes follow DESIGN.md (see bench_lib.py). Errors and out-of-memory are recorded per cell. With
-`--rounds N` every provider of a case is timed N times, the providers taking turns (A B C, A B
-C, ...), and a cell reports the median: slow drifts of the GPU's clock then touch every provider
-alike instead of whichever ran during them.
+`--rounds N` every provider of a case is timed N times, the providers taking turns in an order
+that reverses every round (A B C, C B A, A B C, ...), and a cell reports the median: drifts of
+the GPU's clock then touch every provider alike instead of whichever ran during them.
 
 Writes <out-dir>/<gpu>-<date>.md (tables), .json (raw results) and -<mode>.png (plots); the
 tables and JSON are rewritten after every case, so an interrupted run keeps what it measured.
@@ -199,7 +199,8 @@ def collect_meta(args, argv, timer: str) -> dict:
         "cute_flash": f"{cute_flash.__version__} (commit {_commit()})",
         "dtype": args.dtype,
         "timing": f"{timer}, warm-up {args.warmup:g} ms, measured {args.rep:g} ms"
-                  + (f"; median of {args.rounds} rounds, the providers taking turns" if args.rounds > 1 else ""),
+                  + (f"; median of {args.rounds} rounds, the providers taking turns (order reversed every round)"
+                     if args.rounds > 1 else ""),
         "correctness": "max|out - ref| <= 2 max|out_torch - ref| + atol against the float32 reference, on the first "
                        "sequence and 4 heads (decode: first 4 sequences); out, dq, dk, dv for forward + backward",
         "command": command_line(argv),
@@ -325,13 +326,22 @@ def _time_in_context(runner, timed, no_grad: bool) -> float:
         return timed()
 
 
+def round_order(names: list, round_index: int) -> list:
+    """The providers of round `round_index` (0 = the first): the given order, reversed in every
+    odd-numbered round."""
+    return names[::-1] if round_index % 2 else names
+
+
 def time_rounds(results: list, again: dict, rounds: int) -> None:
-    """Rounds 2..`rounds` of one case: each provider in `again` timed once per round, in turn;
-    its result then reports the median of all its rounds (`ms_rounds` keeps them). A provider
-    that fails in a later round becomes an error cell."""
+    """Rounds 2..`rounds` of one case: each provider in `again` timed once per round, in turn,
+    the order reversed every other round (round 1 ran them in the given order, round 2 runs them
+    backwards, ...): the H200's clocks drift by several percent within seconds, and a fixed order
+    would hand the same provider the same place in that drift every round. Its result then
+    reports the median of all its rounds (`ms_rounds` keeps them). A provider that fails in a
+    later round becomes an error cell."""
     times = {r.provider: [r.ms] for r in results if r.provider in again and r.status == OK}
-    for _ in range(rounds - 1):
-        for name in list(times):
+    for round_index in range(1, rounds):
+        for name in round_order(list(times), round_index):
             try:
                 times[name].append(again[name]())
             except Exception as e:

@@ -317,10 +317,15 @@ def test_rounds_report_the_median_of_every_turn_and_drop_a_provider_that_fails_l
 
     bench_attention.time_rounds(results, {"a": time_a, "b": time_b}, rounds=3)
     a, b, c = results
-    assert order == ["a", "b", "a"]  # turns: a, b, then a alone once b has failed
+    assert order == ["b", "a", "a"]  # round 2 backwards: b, a; round 3 a alone once b has failed
     assert a.ms_rounds == [1.0, 3.0, 2.0] and a.ms == 2.0 and a.value == bl.throughput(case, 2e-3)
     assert b.status == bl.ERROR and b.value is None and "a later round" in b.message
     assert c.status == bl.WRONG and c.ms_rounds is None
+
+
+def test_rounds_alternate_the_order_of_the_providers():
+    names = ["a", "b", "c"]
+    assert [bench_attention.round_order(names, i) for i in range(4)] == [names, names[::-1], names, names[::-1]]
 
 
 def test_recorded_commit_can_be_given_by_the_environment(monkeypatch):
