@@ -33,6 +33,7 @@ from bench_lib import capture_graph, make_timer, parse_sizes
 
 
 def replay_us(timer, fn) -> float:
+    """us of one replay of a CUDA graph captured around `fn`, as `timer` measures it."""
     graph, _ = capture_graph(fn)
     us = timer(graph.replay) * 1e3
     del graph

@@ -74,6 +74,8 @@ def test_persistent_flag_names_smem_and_table():
     assert causal.persistent and causal.tile_counter and causal.name.endswith("_persistent_counter")
     assert not fc.make_config("bfloat16", 128, 128).tile_counter
     assert not fc.make_config("bfloat16", 64, 64, causal=True, softcap=True).persistent
+    assert not fc.make_config("bfloat16", 64, 64, local=True, softcap=True, varlen_q=True, varlen_k=True).persistent
+    assert fc.make_config("bfloat16", 64, 64, softcap=True).persistent
     assert fc.make_config("bfloat16", 96, 96, causal=True, softcap=True).tile_counter
     # and hd96 with seqused_k (80-88 B spilled in the persistent loop)
     for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True}):

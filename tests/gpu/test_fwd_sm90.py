@@ -90,6 +90,22 @@ def test_sm90_fwd_softcap(d, causal):
     _check(q * 3, k, v, _args(d, causal, softcap=15.0))
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_fwd_softcap_with_a_window(d, varlen):
+    """Softcap with a sliding window (hd64 runs one CTA per tile there: its persistent loop spilled)."""
+    torch.manual_seed(d + varlen)
+    if varlen:
+        seqlens_q, seqlens_k = [113, 1, 700], [203, 64, 700]
+        q, k, v, cu_q, cu_k = _varlen_batch(seqlens_q, seqlens_k, 3, 3, d, d, torch.bfloat16)
+        args = _args(d, softcap=15.0, window_left=50, window_right=20, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                     max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
+    else:
+        q, k, v = _qkv(2, 333, 517, 3, 3, d, d, torch.bfloat16)
+        args = _args(d, softcap=15.0, window_left=50, window_right=20)
+    _check(q * 3, k, v, args)
+
+
 def _varlen_batch(seqlens_q, seqlens_k, nheads, nheads_k, d, dv, dtype):
     cu_q = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + list(torch.tensor(seqlens_k).cumsum(0)), dtype=torch.int32, device="cuda")
@@ -101,7 +117,7 @@ def _varlen_batch(seqlens_q, seqlens_k, nheads, nheads_k, d, dv, dtype):
 
 @pytest.mark.parametrize("seqused", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_sm90_fwd_varlen_and_seqused_k(d, causal, seqused):
     torch.manual_seed(d + causal)
     seqlens_q = [1, 0, 113, 239, 1023, 64, 7]

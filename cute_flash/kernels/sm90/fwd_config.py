@@ -12,9 +12,9 @@ together. Shared memory: Q (reused for O; apart from it in a persistent configur
 * tile_n * (d + dv) elements, within the H100/H200's 227 KB. Head dims 64, 96 and 128 are
 persistent (one CTA per SM walking the tiles, `fwd.py`); with a causal mask the CTAs take their
 tiles from a counter (`tile_counter`), because tiles of unequal length taken by a fixed stride
-leave some SMs with much more work than others. At 64, causal + softcap would spill at 160
-registers with that loop, and so would 96 with seqused_k (80-88 B): those take one CTA per tile. 192 / 256 are not persistent (Q and O
-apart do not fit at 256).
+leave some SMs with much more work than others. At 64, softcap with a causal mask or a window
+would spill at 160 registers with that loop, and so would 96 with seqused_k (80-88 B): those
+take one CTA per tile. 192 / 256 are not persistent (Q and O apart do not fit at 256).
 
 Causal schedules of the same kernel on an H200 (bf16, 16k tokens, hidden 2048, do_bench,
 TFLOP/s in two rounds; `benchmarks/ab_sm90_fwd.py` times them as `lazy`, `stride` and `grid`): hd128 2k counter 521 / 513, fixed stride 460 /
@@ -184,10 +184,11 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     # hardware's grid scheduler (benchmarks/ab_sm90_fwd.py on an H200, b2 x 8192 x 16 heads, hd128,
     # bf16: causal grid 604 TFLOP/s, persistent CTAs 544); persistent causal CTAs therefore take
     # their tiles from a counter (`tile_counter`). Persistent loops that spill stay on the grid:
-    # hd64 causal + softcap (the counter loop at 160 registers) and hd96 with seqused_k (zeroing
-    # the V rows past it; 80-88 B for sm_90a).
+    # hd64 with softcap and a causal mask or a window (160 registers; causal with the counter,
+    # local with varlen: 16 B) and hd96 with seqused_k (zeroing the V rows past it; 80-88 B).
     causal = flags.get("causal", False)
-    spills_persistent = ((causal and hd == 64 and flags.get("softcap", False))
+    masked = causal or flags.get("local", False)
+    spills_persistent = ((masked and hd == 64 and flags.get("softcap", False))
                          or (max(hd, hdv) == 96 and flags.get("seqused_k", False)))
     flags.setdefault("persistent", tile.persistent and not spills_persistent)
     flags.setdefault("tile_counter", flags["persistent"] and causal)
@@ -226,7 +227,8 @@ def shipped_configs() -> list:
             replace(base, has_lse=False),
         ]
     configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64),
-                make_config("bfloat16", 96, 96, seqused_k=True, causal=True)]
+                make_config("bfloat16", 96, 96, seqused_k=True, causal=True),
+                make_config("bfloat16", 64, 64, local=True, softcap=True, varlen_q=True, varlen_k=True)]
     # the eager rescale (every block moves the exp reference), kept for benchmarks/ab_sm90_fwd.py
     configs += [make_config("bfloat16", d, d, causal=causal, lazy_rescale=False)
                 for d in (64, 128, 256) for causal in (False, True)]
