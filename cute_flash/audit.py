@@ -255,11 +255,21 @@ def audit_target(target: AuditTarget, keep_dir: Optional[Path] = None) -> AuditR
 # ------------------------------------------------------------------------------------------------
 # auditing many (a process pool: compiles are CPU-bound and independent)
 # ------------------------------------------------------------------------------------------------
-def collect_targets(arch: str, modules=None) -> list[tuple[str, AuditTarget]]:
-    """(module name, target) for every target the modules list for `arch`."""
+def _module_targets(module: str, arch: str, sweep: bool) -> list:
+    """A module's `audit_targets(arch)`, or with `sweep` its `sweep_targets(arch)` (none where it
+    has no sweep)."""
+    mod = importlib.import_module(module)
+    if sweep:
+        return mod.sweep_targets(arch) if hasattr(mod, "sweep_targets") else []
+    return mod.audit_targets(arch)
+
+
+def collect_targets(arch: str, modules=None, sweep: bool = False) -> list[tuple[str, AuditTarget]]:
+    """(module name, target) for every target the modules list for `arch` (`sweep`: the flag
+    combinations of their sweeps instead of the shipped sample)."""
     out = []
     for module in modules or KERNEL_MODULES:
-        for target in importlib.import_module(module).audit_targets(arch):
+        for target in _module_targets(module, arch, sweep):
             out.append((module, target))
     return out
 
@@ -275,7 +285,7 @@ def _source_digest() -> str:
 
 
 def _audit_by_name(module: str, name: str, arch: str, keep_dir: Optional[str],
-                   cache_dir: Optional[str]) -> dict:
+                   cache_dir: Optional[str], sweep: bool = False) -> dict:
     """Worker: find the target again by name (targets hold closures, which do not pickle)."""
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     cache_file = None
@@ -283,7 +293,7 @@ def _audit_by_name(module: str, name: str, arch: str, keep_dir: Optional[str],
         cache_file = Path(cache_dir) / f"{arch}-{name}-{_source_digest()}.json"
         if cache_file.exists():
             return json.loads(cache_file.read_text())
-    target = next(t for t in importlib.import_module(module).audit_targets(arch) if t.name == name)
+    target = next(t for t in _module_targets(module, arch, sweep) if t.name == name)
     row = asdict(audit_target(target, Path(keep_dir) if keep_dir else None))
     if cache_file is not None and row["error"] is None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
@@ -292,11 +302,12 @@ def _audit_by_name(module: str, name: str, arch: str, keep_dir: Optional[str],
 
 
 def audit(arch: str, modules=None, jobs: Optional[int] = None, name_filter: str = "",
-          keep_dir: Optional[Path] = None, cache_dir: Optional[Path] = None) -> list[AuditRow]:
-    """Audit every target of `modules` (default `KERNEL_MODULES`) for `arch`, in parallel."""
-    targets = [(m, t) for m, t in collect_targets(arch, modules) if name_filter in t.name]
+          keep_dir: Optional[Path] = None, cache_dir: Optional[Path] = None, sweep: bool = False) -> list[AuditRow]:
+    """Audit every target of `modules` (default `KERNEL_MODULES`) for `arch`, in parallel
+    (`sweep`: their sweeps' flag combinations instead)."""
+    targets = [(m, t) for m, t in collect_targets(arch, modules, sweep) if name_filter in t.name]
     args = [(m, t.name, arch, str(keep_dir) if keep_dir else None,
-             str(cache_dir) if cache_dir else None) for m, t in targets]
+             str(cache_dir) if cache_dir else None, sweep) for m, t in targets]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(args)))
     if jobs == 1:
         rows = [_audit_by_name(*a) for a in args]
@@ -345,10 +356,14 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", type=Path, help="keep cubin, PTX, SASS and ptxas report here")
     parser.add_argument("--cache", type=Path,
                         help="reuse rows cached here for unchanged sources and DSL version")
+    parser.add_argument("--sweep", action="store_true",
+                        help="compile the configurations make_config gives over a grid of call flags "
+                             "(the forward kernels' `sweep_targets`: a few hundred, slow) instead of "
+                             "the shipped sample")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
-    rows = audit(args.arch, args.module, args.jobs, args.filter, args.keep, args.cache)
+    rows = audit(args.arch, args.module, args.jobs, args.filter, args.keep, args.cache, args.sweep)
     if not rows:
         print(f"no configuration to audit for {args.arch}", file=sys.stderr)
         return 1

@@ -236,6 +236,30 @@ def compile_fwd(config: Sm80FwdConfig, options: str = "--gpu-arch sm_80"):
     return cute.compile(FlashFwdSm80(config), *fake_arguments(config), fake_stream(options), options=options)
 
 
+def sweep_configs() -> list:
+    """The configurations `make_config` gives over a grid of calls (bf16): every head dim, long and
+    short queries, contiguous keys or pages of 16 / 256 tokens, no mask / causal / window, and
+    plain, softcap or seqused_k with split-KV. `python -m cute_flash.audit --sweep` compiles them:
+    the shipped sample covers each path once, this covers their combinations."""
+    import itertools
+
+    out = {}
+    for d, short, page, mask, extra in itertools.product(
+        TILE_HEADDIMS, (False, True), (None, 16, 256), ({}, {"causal": True}, {"local": True}),
+        ({}, {"softcap": True}, {"seqused_k": True, "split_kv": True}),
+    ):
+        config = make_config("bfloat16", d, d, short_queries=short, page_size=page, **mask, **extra)
+        out.setdefault(config.name, config)
+    return list(out.values())
+
+
+def sweep_targets(arch: str) -> list:
+    """One audit target per `sweep_configs` entry."""
+    from cute_flash.audit import targets
+
+    return targets(arch, sweep_configs(), compile_fwd)
+
+
 def audit_targets(arch: str) -> list:
     """One audit target per shipped configuration (see `cute_flash.audit`)."""
     from cute_flash.audit import targets
