@@ -112,6 +112,20 @@ def test_paged_equals_contiguous_with_shuffled_pages(page_size, nheads, nheads_k
     assert (lse_p - lse_c).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_split_prefill_at_head_dim_96(causal):
+    """hd96's 128x128 tile looks pages of whole tiles up per row (one lookup per tile spilled with
+    seqused_k and split-KV)."""
+    gen = torch.Generator().manual_seed(96 + causal)
+    torch.manual_seed(96 + causal)
+    seqlens = [300, 1000]
+    q, k, v = _qkv(2, 300, 1024, 4, 2, 96)
+    used = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    k_cache, v_cache, table = _paged_cache(k, v, seqlens, 256, gen)
+    _check(q, k_cache, v_cache, _args(96, causal=causal, window_right=0 if causal else -1, seqused_k=used,
+                                      page_table=table, max_seqlen_k=1024, num_splits=3))
+
+
 @pytest.mark.parametrize("page_size", [1, 8, 24, 48, 100, 384, 512])
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_page_sizes_off_the_tile(page_size, causal):

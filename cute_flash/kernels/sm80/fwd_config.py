@@ -144,10 +144,10 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
     if page_size is not None:
         # One page-table lookup per key block where pages hold whole tiles, except where the
         # table's tile spills with it and looks the pages up per row instead, as for smaller
-        # pages: hd128's 128x128 tile (8/8 B for sm_90a) and hd64's with a causal mask (136/144 B
-        # for sm_90a, 84/84 for sm_80). hd256 goes the other way: per row it spills with softcap.
+        # pages: the 128x128 tiles (hd128 8/8 B for sm_90a; hd96 with seqused_k and split-KV
+        # 28/28) and hd64's with a causal mask (136/144 B for sm_90a, 84/84 for sm_80).
         key = max(hd, hdv)
-        per_row = tile == TILES[key] and (key == 128 or (key == 64 and flags.get("causal", False)))
+        per_row = (tile.tile_m, tile.tile_n) == (128, 128) or (key == 64 and flags.get("causal", False))
         flags.update(paged_kv=True, page_size_pow2=page_size & (page_size - 1) == 0,
                      pages_hold_tiles=page_size % tile.tile_n == 0 and not per_row)
     return Sm80FwdConfig(
