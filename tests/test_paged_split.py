@@ -54,6 +54,16 @@ def test_tiles_that_spill_with_one_page_lookup_per_tile_look_up_per_row(head_dim
     assert config.paged_kv and config.page_size_pow2 and config.pages_hold_tiles == (not per_row)
 
 
+@pytest.mark.parametrize("flags,narrow", [
+    ({"local": True, "split_kv": True}, True), ({"causal": True, "split_kv": True, "page_size": 256}, True),
+    ({"softcap": True, "page_size": 16}, True), ({"split_kv": True}, False), ({"softcap": True}, False),
+    ({"local": True, "page_size": 64}, False),
+])
+def test_head_dim_256_takes_the_narrow_tile_where_the_wide_one_spilled(flags, narrow):
+    config = fc.make_config("bfloat16", 256, 256, short_queries=True, **flags)
+    assert (config.tile_m, config.tile_n, config.num_stages) == ((64, 32, 2) if narrow else (64, 64, 1))
+
+
 @pytest.mark.parametrize("flag", ["page_size_pow2", "pages_hold_tiles"])
 def test_page_flags_need_a_paged_cache(flag):
     with pytest.raises(ValueError, match=flag):
@@ -70,9 +80,9 @@ def test_paged_kv_excludes_packed_keys():
         fc.make_config("bfloat16", 128, 128, paged_kv=True, varlen_k=True)
 
 
-def test_at_most_eight_shipped_inference_configs_and_a_combine_for_each_split_one():
+def test_at_most_ten_shipped_inference_configs_and_a_combine_for_each_split_one():
     inference = [c for c in fc.shipped_configs() if c.paged_kv or c.split_kv]
-    assert 1 <= len(inference) <= 8
+    assert 1 <= len(inference) <= 10
     splits = [c for c in inference if c.split_kv]
     combines = cc.shipped_configs()
     assert {(c.dtype, c.head_dim_v, c.tile_n, c.varlen_q) for c in splits} == {

@@ -36,7 +36,7 @@ import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -326,14 +326,16 @@ class _CuteBackend(Backend):
             return f"nvidia-cutlass-dsl is not importable ({exc})"
         return None
 
-    def config(self, q, k, v, lse, args: AttnArgs):
-        """The frozen kernel configuration that runs this (validated) call."""
+    def config(self, q, k, v, lse, args: AttnArgs, **flags):
+        """The frozen kernel configuration that runs this (validated) call; `flags`: more
+        `make_config` flags (`split_kv=True` for the kernel that writes split-KV partials)."""
         make_config = importlib.import_module(self.config_module).make_config
         return make_config(
             _DTYPE_NAMES[q.dtype],
             q.shape[-1],
             v.shape[-1],
             **kernel_flags(args),
+            **flags,
             has_lse=lse is not None,
             **({"page_size": k.shape[1]} if args.page_table is not None else {}),
             **self.tile_hints(q, args),
@@ -380,17 +382,21 @@ class _CuteBackend(Backend):
         page_table = args.page_table
         if page_table is not None and page_table.stride(-1) != 1:
             page_table = page_table.contiguous()
-        splits = split_kv.num_splits(q, k, args, config, heuristic="split_kv" in self.features)
+        # The split kernel's configuration comes from make_config too: its tile may differ from
+        # the unsplit one's (hd256 with a mask), and the splits, the kernel and the combine
+        # must all count key blocks of that tile.
+        split_config = self.config(q, k, v, None, args, split_kv=True)
+        splits = split_kv.num_splits(q, k, args, split_config, heuristic="split_kv" in self.features)
         a = self.cache.args
         if splits == 1:
             fn, _ = self.cache.get(config, arch)
             self.launch(fn, q, k, v, out, lse, args, a, extra=(a.tensor(page_table, 4), None, None, a.i32(1)))
             return
         o_partial, lse_partial = split_kv.partials(q, v, args, splits, workspace)
-        fn, _ = self.cache.get(replace(config, split_kv=True, has_lse=False), arch)
+        fn, _ = self.cache.get(split_config, arch)
         self.launch(fn, q, k, v, out, None, args, a,
                     extra=(a.tensor(page_table, 4), a.tensor(o_partial, 16), a.tensor(lse_partial, 4), a.i32(splits)))
-        combine, _ = self.combine_cache.get(split_kv.combine_config(out, lse, args, config), arch)
+        combine, _ = self.combine_cache.get(split_kv.combine_config(out, lse, args, split_config), arch)
         split_kv.launch_combine(combine, o_partial, lse_partial, out, lse, k, args, self.combine_cache.args)
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:

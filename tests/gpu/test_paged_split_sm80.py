@@ -227,6 +227,25 @@ def test_split_kv_with_masks_and_long_queries(d, mask, num_splits):
                           num_splits=num_splits))
 
 
+@pytest.mark.parametrize("num_splits", [0, 4])
+@pytest.mark.parametrize("page_size,softcap", [(256, 0.0), (16, 0.0), (16, 30.0)])
+def test_head_dim_256_sliding_window_decode_on_a_paged_cache(page_size, softcap, num_splits):
+    """A window makes a short-query call unpackable, so hd256 runs the masked split kernel, whose
+    own tile (32 keys per block, `make_config(split_kv=True)`) the splits and the combine count."""
+    gen = torch.Generator().manual_seed(page_size + num_splits)
+    torch.manual_seed(page_size * 3 + num_splits)
+    seqlens = [2000, 5, 4096]
+    q, k, v = _qkv(len(seqlens), 2, 4096, 8, 4, 256)
+    k_cache, v_cache, table = _paged_cache(k, v, seqlens, page_size, gen)
+    used = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    args = _args(256, window_left=1000, window_right=0, softcap=softcap, seqused_k=used, page_table=table,
+                 max_seqlen_k=4096, num_splits=num_splits)
+    backend = _backend(heuristic=True)
+    split_config = backend.config(q, k_cache, v_cache, None, args, split_kv=True)
+    assert split_config.tile_n == 32 and split_kv.num_splits(q, k_cache, args, split_config, heuristic=True) > 1
+    _check(q, k_cache, v_cache, args, backend=backend)
+
+
 @pytest.mark.parametrize("num_splits", [3, 16])
 def test_split_kv_varlen_without_lse_and_padded_head_dim(num_splits):
     torch.manual_seed(num_splits)

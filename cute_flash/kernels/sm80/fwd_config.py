@@ -58,6 +58,10 @@ TILES = {
 # batch 16-128; the other head dims use one tile for every call).
 SHORT_QUERY_TILES = {**TILES, 128: Tile(64, 64, 4, 2, min_ctas_per_sm=1)}
 SHORT_QUERY_ROWS = 64
+# hd256 with a mask and split-KV, or softcap over a paged cache, spilled on the 64x64 tile (up to
+# 40/32 B for sm_80, 32/24 for sm_90a: `python -m cute_flash.audit --sweep`); 32 keys per block
+# (two stages, 96 KB) compile without spills there
+NARROW_TILES = {256: Tile(64, 32, 4, 2)}
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,10 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
         flags["has_lse"] = False
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = (SHORT_QUERY_TILES if short_queries else TILES)[max(hd, hdv)]
+    masked = flags.get("causal", False) or flags.get("local", False)
+    if max(hd, hdv) == 256 and ((masked and flags.get("split_kv", False))
+                                or (flags.get("softcap", False) and page_size is not None)):
+        tile = NARROW_TILES[256]
     if page_size is not None:
         # One page-table lookup per key block where pages hold whole tiles, except where the
         # table's tile spills with it and looks the pages up per row instead, as for smaller
@@ -200,6 +208,8 @@ def shipped_configs() -> list:
         # prefill tiles over pages that hold whole tiles (looked up per row; see make_config)
         make_config("bfloat16", 64, 64, page_size=256, causal=True, softcap=True),
         make_config("bfloat16", 128, 128, page_size=256, causal=True),
+        make_config("bfloat16", 256, 256, short_queries=True, page_size=256, seqused_k=True, split_kv=True,
+                    local=True),  # NARROW_TILES
         make_config("bfloat16", 128, 128, split_kv=True, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("float16", 40, 40, page_size=24, varlen_q=True, split_kv=True, local=True),
     ]
