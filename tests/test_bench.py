@@ -364,6 +364,10 @@ def test_tile_candidates_parse_and_replace_only_the_tile():
     assert tune_tiles.parse_candidate("128x64w8s2", "sm_80") == dict(tile_m=128, tile_n=64, num_stages=2, num_warps=8)
     assert tune_tiles.parse_candidate("128x64w4s2-lazy", "sm_80")["lazy_rescale"] is True
     assert tune_tiles.parse_candidate("128x128w2s2-nopp-eager", "sm_90a")["lazy_rescale"] is False
+    grid = tune_tiles.parse_candidate("128x128w2s3-grid", "sm_90a")
+    assert grid["persistent"] is False and grid["tile_counter"] is False and grid["num_stages"] == 3
+    with pytest.raises(ValueError, match="sm_90a options"):
+        tune_tiles.parse_candidate("128x64w4s2-grid", "sm_80")
     with pytest.raises(ValueError, match="MxNwWsS"):
         tune_tiles.parse_candidate("128by64", "sm_80")
     args = argparse.Namespace(
