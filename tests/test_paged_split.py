@@ -46,12 +46,21 @@ def test_page_size_selects_shift_and_mask_and_one_lookup_per_tile(page_size, pow
 
 @pytest.mark.parametrize("head_dim,causal,short,per_row", [
     (64, True, False, True), (64, True, True, True), (64, False, False, False), (128, False, False, True),
-    (128, True, True, False), (96, True, False, True), (256, True, False, False), (192, False, False, False),
+    (128, True, True, False), (96, True, False, True), (256, True, False, True), (256, False, False, False),
+    (192, False, False, False),
 ])
 def test_tiles_that_spill_with_one_page_lookup_per_tile_look_up_per_row(head_dim, causal, short, per_row):
-    """One lookup per tile spilled on the 128x128 tiles (hd96, hd128) and on hd64's causal tile."""
+    """One lookup per tile spilled on the 128x128 tiles (hd96, hd128), on hd64's causal tile and
+    (fp16) on hd256's masked one."""
     config = fc.make_config("bfloat16", head_dim, head_dim, short_queries=short, page_size=256, causal=causal)
     assert config.paged_kv and config.page_size_pow2 and config.pages_hold_tiles == (not per_row)
+
+
+def test_hd192_with_seqused_k_and_split_kv_looks_pages_up_per_row():
+    """One lookup per tile spilled there in fp16 (8/8 B for sm_80)."""
+    config = fc.make_config("float16", 192, 192, page_size=256, seqused_k=True, split_kv=True)
+    assert config.paged_kv and not config.pages_hold_tiles
+    assert fc.make_config("float16", 192, 192, page_size=256, seqused_k=True).pages_hold_tiles
 
 
 @pytest.mark.parametrize("flags,narrow", [

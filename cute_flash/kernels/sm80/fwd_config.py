@@ -153,9 +153,14 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
         # One page-table lookup per key block where pages hold whole tiles, except where the
         # table's tile spills with it and looks the pages up per row instead, as for smaller
         # pages: the 128x128 tiles (hd128 8/8 B for sm_90a; hd96 with seqused_k and split-KV
-        # 28/28) and hd64's with a causal mask (136/144 B for sm_90a, 84/84 for sm_80).
+        # 28/28), hd64's with a causal mask (136/144 B for sm_90a, 84/84 for sm_80), and in fp16
+        # hd192 with seqused_k and split-KV and hd256 with a mask (8/8 for sm_80 each; the
+        # sweep's bf16 half compiles either way, and looks up per row too).
         key = max(hd, hdv)
-        per_row = (tile.tile_m, tile.tile_n) == (128, 128) or (key == 64 and flags.get("causal", False))
+        masked = flags.get("causal", False) or flags.get("local", False)
+        per_row = ((tile.tile_m, tile.tile_n) == (128, 128) or (key == 64 and flags.get("causal", False))
+                   or (key == 192 and flags.get("seqused_k", False) and flags.get("split_kv", False))
+                   or (key == 256 and masked))
         flags.update(paged_kv=True, page_size_pow2=page_size & (page_size - 1) == 0,
                      pages_hold_tiles=page_size % tile.tile_n == 0 and not per_row)
     return Sm80FwdConfig(
@@ -247,18 +252,19 @@ def compile_fwd(config: Sm80FwdConfig, options: str = "--gpu-arch sm_80"):
 
 
 def sweep_configs() -> list:
-    """The configurations `make_config` gives over a grid of calls (bf16): every head dim, long and
-    short queries, contiguous keys or pages of 16 / 256 tokens, no mask / causal / window, and
-    plain, softcap or seqused_k with split-KV. `python -m cute_flash.audit --sweep` compiles them:
-    the shipped sample covers each path once, this covers their combinations."""
+    """The configurations `make_config` gives over a grid of calls (bf16 and fp16): every head dim,
+    long and short queries, contiguous keys or pages of 16 / 256 tokens, no mask / causal /
+    window, and plain, softcap or seqused_k with split-KV. `python -m cute_flash.audit --sweep`
+    compiles them (`--filter float16` for one dtype): the shipped sample covers each path once,
+    this covers their combinations."""
     import itertools
 
     out = {}
-    for d, short, page, mask, extra in itertools.product(
-        TILE_HEADDIMS, (False, True), (None, 16, 256), ({}, {"causal": True}, {"local": True}),
+    for dtype, d, short, page, mask, extra in itertools.product(
+        DTYPES, TILE_HEADDIMS, (False, True), (None, 16, 256), ({}, {"causal": True}, {"local": True}),
         ({}, {"softcap": True}, {"seqused_k": True, "split_kv": True}),
     ):
-        config = make_config("bfloat16", d, d, short_queries=short, page_size=page, **mask, **extra)
+        config = make_config(dtype, d, d, short_queries=short, page_size=page, **mask, **extra)
         out.setdefault(config.name, config)
     return list(out.values())
 

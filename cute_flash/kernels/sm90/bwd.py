@@ -158,12 +158,16 @@ class FlashBwdSm90:
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        sQ_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.head_dim, cfg.num_stages)
-        sdO_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.head_dim_v, cfg.num_stages)
+        # (rows, cols, stage), with a stage mode of 1 too
+        sQ_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.head_dim),
+                                       (cfg.tile_m, cfg.head_dim, cfg.num_stages), (0, 1, 2))
+        sdO_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.head_dim_v),
+                                        (cfg.tile_m, cfg.head_dim_v, cfg.num_stages), (0, 1, 2))
         sK_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim)
         sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v)
+        # the dS^T stages, then (`dkv_split`) P^T
         sdS_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.tile_m),
-                                        (cfg.tile_n, cfg.tile_m, cfg.ds_stages), (0, 1, 2))
+                                        (cfg.tile_n, cfg.tile_m, cfg.ds_stages + int(cfg.dkv_split)), (0, 1, 2))
         sStat_layout = cute.make_layout((cfg.stat_box, cfg.num_stages), stride=(1, cfg.stat_stage_stride))
         # `dq_stages` fp32 dQ partials per consumer warpgroup, the sources of its TMA reduce-adds:
         # (rows, cols, warpgroup, stage)
@@ -206,17 +210,31 @@ class FlashBwdSm90:
         )
 
         K_major, MN_major = OperandMajorMode.K, OperandMajorMode.MN
-        wgs = (NUM_CONSUMER_WGS, 1, 1)  # each consumer warpgroup takes 64 of the keys
-        tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_major, K_major, Float32, wgs, (64, cfg.tile_m)
-        )
-        rmem = warpgroup.OperandSource.RMEM
-        tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim), a_source=rmem
-        )
-        tiled_mma_dV = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim_v), a_source=rmem
-        )
+        if cutlass.const_expr(cfg.dkv_split):
+            # the 64 keys are both warpgroups': S^T / dP^T split over the queries, dK / dV over
+            # the columns, with P^T and dS^T read from shared memory
+            wgs = (1, NUM_CONSUMER_WGS, 1)
+            tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, K_major, Float32, wgs, (64, cfg.tile_m // NUM_CONSUMER_WGS)
+            )
+            tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim // NUM_CONSUMER_WGS)
+            )
+            tiled_mma_dV = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim_v // NUM_CONSUMER_WGS)
+            )
+        else:
+            wgs = (NUM_CONSUMER_WGS, 1, 1)  # each consumer warpgroup takes 64 of the keys
+            tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, K_major, Float32, wgs, (64, cfg.tile_m)
+            )
+            rmem = warpgroup.OperandSource.RMEM
+            tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim), a_source=rmem
+            )
+            tiled_mma_dV = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim_v), a_source=rmem
+            )
         # one warpgroup's dQ tile: A = dS (MN-major view of dS^T), B = K^T (MN-major view of K)
         tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN_major, MN_major, Float32, (1, 1, 1), (64, cfg.dq_cols)
@@ -506,7 +524,11 @@ class FlashBwdSm90:
         stsm_dS = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma_SdP
         ).get_slice(ctidx)
-        tdSsdS = stsm_dS.partition_D(sdS)  # (..., ds_stages)
+        tdSsdS = stsm_dS.partition_D(sdS)  # (..., ds_stages [+ P^T])
+        if cutlass.const_expr(cfg.dkv_split):
+            # P^T and dS^T as the shared-memory A operands of dV and dK
+            tdVsP = tiled_mma_dV.make_fragment_A(thr_mma_dV.partition_A(sdS[None, None, cfg.ds_stages]))
+            tdKsdS = tiled_mma_dK.make_fragment_A(thr_mma_dK.partition_A(sdS))  # (..., ds_stages [+ P^T])
         # this warpgroup's fp32 dQ partial -> its shared-memory tile (pairs of floats), which it
         # then adds to dQaccum in global memory with a TMA reduce-add
         sdQ_wg = sdQ[None, None, wg_idx, None]  # (rows, cols, stage)
@@ -526,8 +548,9 @@ class FlashBwdSm90:
         t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_SdP.get_slice(0).partition_C(cS)))
         rP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
         rdS = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
-        tdVrP = probs_as_operand_a(rP, thr_mma_dV, tile_S)
-        tdKrdS = probs_as_operand_a(rdS, thr_mma_dK, tile_S)
+        if cutlass.const_expr(not cfg.dkv_split):
+            tdVrP = probs_as_operand_a(rP, thr_mma_dV, tile_S)
+            tdKrdS = probs_as_operand_a(rdS, thr_mma_dK, tile_S)
 
         # no zero fill: the first query block's GEMMs overwrite them (`gemm_accumulate_if`)
         acc_dK = cute.make_rmem_tensor(thr_mma_dK.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
@@ -541,7 +564,10 @@ class FlashBwdSm90:
                     self.zero_rows(sK, cfg.head_dim, rows_k, ctidx, wg_idx)
                     self.zero_rows(sV, cfg.head_dim_v, rows_k, ctidx, wg_idx)
                     cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by WGMMA
-                    cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                    if cutlass.const_expr(cfg.dkv_split):  # both warpgroups read every row
+                        cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+                    else:
+                        cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
 
             offset = seqlen.seqlen_k - seqlen.seqlen_q
             n_lo = n_block * cfg.tile_n
@@ -603,7 +629,9 @@ class FlashBwdSm90:
                     gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
                 else:
                     rP.store(acc_S.load().to(self.dtype))
-                if cutlass.const_expr(not cfg.dv_after_ds):
+                if cutlass.const_expr(cfg.dkv_split):
+                    cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, cfg.ds_stages])
+                elif cutlass.const_expr(not cfg.dv_after_ds):
                     gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
                 # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
                 # from being live together
@@ -619,7 +647,7 @@ class FlashBwdSm90:
                 rdS.store(acc_dP.load().to(self.dtype))
                 if cutlass.const_expr(cfg.dv_after_ds):
                     gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
-                if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq):
+                if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq and not cfg.dkv_split):
                     gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
 
                 # dS^T of this warpgroup's keys -> shared memory -> dQ partial
@@ -636,6 +664,11 @@ class FlashBwdSm90:
                     cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
                 else:
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                if cutlass.const_expr(cfg.dkv_split):
+                    # P^T and dS^T of both warpgroups are in shared memory
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVsP, tdVrdOt[None, None, None, stage], it > 0)
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKsdS[None, None, None, ds_stage],
+                                       tdKrQt[None, None, None, stage], it > 0)
                 acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)),
                                                Float32)
                 gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
@@ -745,11 +778,13 @@ class FlashBwdSm90:
 
     @cute.jit
     def zero_rows(self, sX, cols: cutlass.Constexpr, rows_valid, ctidx, wg_idx):
-        """Zero the rows of this warpgroup's 64 rows of a key tile that lie at or past `rows_valid`."""
+        """Zero the rows of this warpgroup's share of a key tile (its 64 rows, or half of the 64
+        with `dkv_split`) that lie at or past `rows_valid`."""
         tid = ctidx % 128
-        for i in cutlass.range(64 * cols // 128, unroll_full=True):
+        wg_rows = self.cfg.tile_n // NUM_CONSUMER_WGS if cutlass.const_expr(self.cfg.dkv_split) else 64
+        for i in cutlass.range(wg_rows * cols // 128, unroll_full=True):
             idx = tid + i * 128
-            row = wg_idx * 64 + idx // cols
+            row = wg_idx * wg_rows + idx // cols
             if row >= rows_valid:
                 sX[row, idx % cols] = self.dtype(0)
 

@@ -35,7 +35,9 @@ from typing import NamedTuple
 
 from ..common.tiles import SM90_STATIC_SMEM_BYTES, align_up, check_attention_config, pad_headdim
 
-TILE_HEADDIMS = (64, 96, 128)
+TILE_HEADDIMS = (64, 96, 128, 256)
+# Head dims 129-192 would pad to 256 (a third of the work wasted); they stay on the sm_80 kernels.
+REFUSED_HEADDIMS = range(129, 193)
 DTYPES = ("float16", "bfloat16")
 SMEM_LIMIT = 227 * 1024
 NUM_CONSUMER_WGS = 2
@@ -63,6 +65,7 @@ class BwdTile(NamedTuple):
     dq_stages: int = 1  # see `Sm90BwdConfig.dq_stages`
     dq_rows: bool = False  # see `Sm90BwdConfig.dq_rows`
     dv_after_ds: bool = False  # see `Sm90BwdConfig.dv_after_ds`
+    dkv_split: bool = False  # see `Sm90BwdConfig.dkv_split`
 
 
 # keyed by the padded head dim
@@ -72,6 +75,9 @@ TILES = {
     96: BwdTile(64, 2, dq_writer=True, overlap_dv=True, dq_stages=2),
     128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain",),
                  dq_fence_late=("masked",), dk_behind_dq=True),
+    # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); one stage of
+    # (Q, dO): two do not fit next to K, V, P^T, dS^T and the dQ tiles
+    256: BwdTile(64, 1, dq_split=True, dq_writer=True, dkv_split=True),
 }
 
 
@@ -181,13 +187,31 @@ class Sm90BwdConfig:
     # is in flight while dS^T is computed, P^T's 16-bit registers live across it instead. Shipped
     # with the 128-row tile (`WIDE_TILES`); at head dims 96 and 128 level or slower (A/B "dV after dS").
     dv_after_ds: bool = False
+    # Head dim 256: the CTA's 64 keys are shared by both warpgroups, and dK, dV and dQ split over
+    # their columns (128 each: 64 + 64 + 64 accumulator registers per thread, where 64 keys per
+    # warpgroup would need 256 for dK and dV alone). Each warpgroup computes S^T and dP^T for
+    # half of the block's queries; P^T and dS^T go to shared memory, and dV += P^T dO,
+    # dK += dS^T Q and dQ = dS K read them from there (A operands in shared memory).
+    dkv_split: bool = False
 
-    tile_n = 64 * NUM_CONSUMER_WGS  # keys per CTA: 64 per consumer warpgroup
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
     registers = REGISTERS
 
+    @property
+    def tile_n(self) -> int:
+        """Keys per CTA: 64 per consumer warpgroup, or 64 shared by both (`dkv_split`)."""
+        return 64 if self.dkv_split else 64 * NUM_CONSUMER_WGS
+
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
+        if self.dkv_split:
+            for flag in ("overlap_dv", "dk_after_dq", "dk_behind_dq", "dq_rows", "dv_after_ds", "stats_early"):
+                if getattr(self, flag):
+                    raise ValueError(f"dkv_split reads P^T and dS^T from shared memory; it excludes {flag}")
+            if not self.dq_split or self.num_stages != 1:
+                raise ValueError("dkv_split needs dq_split and one (Q, dO) stage")
+        elif self.head_dim > 128:
+            raise ValueError(f"head dim {self.head_dim} needs dkv_split")
         if self.tile_m != (128 if self.dq_rows else 64):
             # the M of the dQ GEMM: one m64 WGMMA per warpgroup, over 64 of 128 rows with `dq_rows`
             raise ValueError(f"tile_m must be 64, or 128 with dq_rows; got {self.tile_m}")
@@ -195,8 +219,8 @@ class Sm90BwdConfig:
             raise ValueError("dv_after_ds and overlap_dv exclude each other")
         if self.dq_rows and self.dq_split:
             raise ValueError("dq_rows and dq_split exclude each other")
-        if self.dq_split and self.head_dim not in (64, 128):
-            raise ValueError(f"dq_split needs head dim 64 or 128; got {self.head_dim}")
+        if self.dq_split and self.head_dim not in (64, 128, 256):
+            raise ValueError(f"dq_split needs head dim 64, 128 or 256; got {self.head_dim}")
         if self.dk_behind_dq and self.dk_after_dq:
             raise ValueError("dk_behind_dq and dk_after_dq exclude each other")
         if self.dq_fence_late and not self.dq_writer:
@@ -242,6 +266,8 @@ class Sm90BwdConfig:
         k_v = self.tile_n * (self.head_dim + self.head_dim_v)
         q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
         ds = self.ds_stages * self.tile_n * self.tile_m
+        if self.dkv_split:
+            ds += self.tile_n * self.tile_m  # P^T
         stat = 4 * (self.stat_stage_stride * (self.num_stages - 1) + self.stat_box)  # LSE, and D
         dq = 4 * NUM_CONSUMER_WGS * self.dq_stages * self.dq_rows_per_wg * self.dq_cols  # fp32 dQ tiles
         size = 1024 + 2 * (k_v + q_do + ds)  # the mbarriers, padded to the 1024-aligned tiles
@@ -252,7 +278,7 @@ class Sm90BwdConfig:
     def name(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
-                             "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds") if getattr(self, f)]
+                             "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -261,7 +287,11 @@ class Sm90BwdConfig:
 
 
 def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdConfig:
-    """The configuration for actual head dims (multiples of 8 up to 128, equal) and feature flags."""
+    """The configuration for actual head dims (multiples of 8 up to 128, or 200-256; equal) and
+    feature flags."""
+    if head_dim in REFUSED_HEADDIMS or head_dim_v in REFUSED_HEADDIMS:
+        raise UnsupportedHeadDim(
+            f"the sm_90 backward kernel does not take head dims {head_dim} / {head_dim_v} (129-192)")
     hd = pad_headdim(head_dim, TILE_HEADDIMS, UnsupportedHeadDim)
     pad_headdim(head_dim_v, TILE_HEADDIMS, UnsupportedHeadDim)
     if head_dim_v != head_dim:
@@ -281,6 +311,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dq_stages", tile.dq_stages if flags["dq_writer"] else 1)
     flags.setdefault("dq_rows", tile.dq_rows)
     flags.setdefault("dv_after_ds", tile.dv_after_ds)
+    flags.setdefault("dkv_split", tile.dkv_split)
     flags.setdefault("lpt", flags.get("causal", False))
     flags.setdefault("dkv_staged", True)
     return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
@@ -299,6 +330,8 @@ def shipped_configs() -> list:
     configs += [
         make_config("bfloat16", 128, 128, local=True, softcap=True),
         make_config("bfloat16", 128, 128, causal=True, softcap=True),
+        # the column-split tile (`dkv_split`) with every mask and sequence feature
+        make_config("bfloat16", 256, 256, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 128, 128, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 128, 128, local=True, varlen_q=True, varlen_k=True),
         make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True),

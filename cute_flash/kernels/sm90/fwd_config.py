@@ -267,22 +267,23 @@ def compile_fwd(config: Sm90FwdConfig, options: str = "--gpu-arch sm_90a"):
 
 
 def sweep_configs() -> list:
-    """The configurations `make_config` gives over a grid of calls (bf16): every head dim with no
-    mask / causal / window, softcap or not, seqused_k or not, varlen or not, and unequal head dims
-    of Q and V. `python -m cute_flash.audit --sweep` compiles them: the shipped sample covers each
-    path once, this covers their combinations."""
+    """The configurations `make_config` gives over a grid of calls (bf16 and fp16): every head dim
+    with no mask / causal / window, softcap or not, seqused_k or not, varlen or not, and unequal
+    head dims of Q and V. `python -m cute_flash.audit --sweep` compiles them (`--filter float16`
+    for one dtype): the shipped sample covers each path once, this covers their combinations."""
     import itertools
 
     out = {}
-    for d, mask, softcap, seqused, varlen in itertools.product(
-        TILE_HEADDIMS, ({}, {"causal": True}, {"local": True}), (False, True), (False, True), (False, True),
+    for dtype, d, mask, softcap, seqused, varlen in itertools.product(
+        DTYPES, TILE_HEADDIMS, ({}, {"causal": True}, {"local": True}), (False, True), (False, True), (False, True),
     ):
-        config = make_config("bfloat16", d, d, softcap=softcap, seqused_k=seqused, varlen_q=varlen,
+        config = make_config(dtype, d, d, softcap=softcap, seqused_k=seqused, varlen_q=varlen,
                              varlen_k=varlen, **mask)
         out.setdefault(config.name, config)
-    for (d, dv), causal in itertools.product(((128, 64), (64, 128), (192, 128), (256, 128), (128, 256)),
-                                             (False, True)):
-        config = make_config("bfloat16", d, dv, causal=causal)
+    for dtype, (d, dv), causal in itertools.product(
+        DTYPES, ((128, 64), (64, 128), (192, 128), (256, 128), (128, 256)), (False, True),
+    ):
+        config = make_config(dtype, d, dv, causal=causal)
         out.setdefault(config.name, config)
     return list(out.values())
 
