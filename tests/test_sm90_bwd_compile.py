@@ -25,7 +25,7 @@ def test_sm90_bwd_tile_table_fits_shared_memory_and_registers(headdim):
     assert config.smem_bytes <= bc.SMEM_LIMIT
     # 64 keys per consumer warpgroup, or 64 shared by both with dK / dV / dQ split over their columns
     assert config.tile_n == (64 if config.dkv_split else 64 * bc.NUM_CONSUMER_WGS)
-    assert config.dkv_split == (headdim == 256)
+    assert config.dkv_split == (headdim in (192, 256))
     consumer, producer = config.registers
     assert 128 * producer + 128 * bc.NUM_CONSUMER_WGS * consumer <= 64 * 1024
     # the dQ GEMM takes the query block (or, with dq_rows, half of it) as its M: one m64 WGMMA per
@@ -53,19 +53,27 @@ def test_sm90_bwd_headdims_pad_up_to_the_next_tile(d, tile):
     assert (config.head_dim, config.head_dim_v) == (tile, tile)
 
 
-@pytest.mark.parametrize("d", [136, 160, 192])
-def test_sm90_bwd_headdims_129_to_192_are_refused_by_name(d):
+@pytest.mark.parametrize("d", [264, 320])
+def test_sm90_bwd_headdims_above_256_are_refused_by_name(d):
     with pytest.raises(NotImplementedError, match=str(d)):
         bc.make_config("bfloat16", d, d)
 
 
-@pytest.mark.parametrize("d", [200, 248, 256])
-def test_sm90_bwd_headdims_200_to_256_take_the_column_split_tile(d):
+@pytest.mark.parametrize("d,tile,stages", [(136, 192, 2), (192, 192, 2), (200, 256, 1), (248, 256, 1), (256, 256, 1)])
+def test_sm90_bwd_headdims_above_128_take_the_column_split_tile(d, tile, stages):
     config = bc.make_config("bfloat16", d, d, causal=True)
-    assert (config.head_dim, config.tile_m, config.tile_n, config.num_stages) == (256, 64, 64, 1)
-    assert config.dkv_split and config.dq_split and config.dq_cols == 128
-    # K, V, one (Q, dO) stage, two dS^T buffers and P^T, the two warpgroups' fp32 dQ tiles
+    assert (config.head_dim, config.tile_m, config.tile_n, config.num_stages) == (tile, 64, 64, stages)
+    assert config.dkv_split and config.dq_split and config.dq_cols == tile // 2
+    # K, V, the (Q, dO) stages, the dS^T and P^T buffers, the two warpgroups' fp32 dQ tiles
     assert config.smem_bytes <= bc.SMEM_LIMIT
+    assert config.p_stages == (2 if stages == 2 else 1)
+
+
+def test_sm90_bwd_head_dim_192_takes_one_stage_where_varlen_boxes_leave_no_room_for_two():
+    two = bc.make_config("bfloat16", 192, 192, varlen_q=False)
+    one = bc.make_config("bfloat16", 192, 192, varlen_q=True, varlen_k=True)
+    assert (two.num_stages, one.num_stages) == (2, 1)
+    assert two.smem_bytes <= bc.SMEM_LIMIT < bc._unchecked({**vars(one), "num_stages": 2}).smem_bytes
 
 
 def test_sm90_bwd_dkv_split_excludes_the_register_operand_orders():
@@ -75,7 +83,7 @@ def test_sm90_bwd_dkv_split_excludes_the_register_operand_orders():
             replace(config, **{flag: True})
     with pytest.raises(ValueError, match="dkv_split"):
         replace(config, dkv_split=False)  # 64 keys per warpgroup at head dim 256: 256 registers of dK, dV
-    with pytest.raises(ValueError, match="stage"):
+    with pytest.raises(ValueError, match="shared memory"):
         replace(config, num_stages=2)
 
 
@@ -86,7 +94,7 @@ def test_sm90_bwd_refuses_a_headdim_of_v_that_differs_by_name():
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 21  # each one is compiled and audited
+    assert len(configs) <= 24  # each one is compiled and audited
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -242,7 +250,8 @@ def test_sm90_native_backward_is_the_default_and_takes_only_what_its_kernel_does
     assert backend.native_backward_takes(q, q, q, AttnArgs(0.1, causal=True, window_right=0), False)
     assert not backend.native_backward_takes(q, q, q, AttnArgs(0.1), True)  # deterministic
     assert backend.native_backward_takes(_q(256), _q(256), _q(256), AttnArgs(0.1), False)
-    assert not backend.native_backward_takes(_q(192), _q(192), _q(192), AttnArgs(0.1), False)
+    assert backend.native_backward_takes(_q(192), _q(192), _q(192), AttnArgs(0.1), False)
+    assert not backend.native_backward_takes(_q(320), _q(320), _q(320), AttnArgs(0.1), False)
     assert not backend.native_backward_takes(q, q, _q(128), AttnArgs(0.1), False)  # head dim of V
     backend.native_backward = False  # the sm_80 kernels for everything
     assert not backend.native_backward_takes(q, q, q, AttnArgs(0.1), False)
@@ -262,6 +271,7 @@ COMPILED = [
     bc.make_config("bfloat16", 128, 128, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
     bc.make_config("float16", 72, 72),
     bc.make_config("bfloat16", 256, 256, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
+    bc.make_config("float16", 192, 192, causal=True),
 ]
 
 

@@ -249,7 +249,7 @@ def test_bwd_deterministic_is_the_oracle_and_the_same_every_run(case):
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again)), "deterministic backward differs between runs"
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_sm90_backend_backward_directly_and_through_autograd(causal, d):
     """cute-sm90's backward (its own sm_90 kernel where that takes the call, these kernels

@@ -78,7 +78,7 @@ def _args(d, **kw):
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sm90_bwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seqlen_q, seqlen_k):
     torch.manual_seed(seqlen_q * 7 + seqlen_k + d)
@@ -89,7 +89,7 @@ def test_sm90_bwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seql
 
 @pytest.mark.parametrize("nheads,nheads_k", [(6, 2), (8, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_sm90_bwd_gqa_and_mqa_sum_dk_dv_over_the_group(d, nheads, nheads_k, causal):
     torch.manual_seed(nheads * 10 + nheads_k + d)
     q = torch.randn(3, 257, nheads, d, dtype=torch.bfloat16, device="cuda")
@@ -112,7 +112,7 @@ def test_sm90_bwd_causal_grid_of_several_head_groups(d):
 
 @pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0), (200, 7)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (500, 130), (239, 1), (1000, 1000)])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_sm90_bwd_sliding_window(d, seqlen_q, seqlen_k, window):
     torch.manual_seed(sum(window) + seqlen_q + d)
     q = torch.randn(2, seqlen_q, 2, d, dtype=torch.bfloat16, device="cuda")
@@ -121,7 +121,7 @@ def test_sm90_bwd_sliding_window(d, seqlen_q, seqlen_k, window):
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (50, 10)])
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_sm90_bwd_softcap_chain_rule(d, window):
     torch.manual_seed(d + window[0])
     q = torch.randn(2, 333, 3, d, dtype=torch.bfloat16, device="cuda") * 3
@@ -132,7 +132,7 @@ def test_sm90_bwd_softcap_chain_rule(d, window):
 
 @pytest.mark.parametrize("seqused", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_sm90_bwd_varlen_and_seqused_k(d, causal, seqused):
     torch.manual_seed(d + causal + 2 * seqused)
     seqlens_q = [1, 0, 113, 239, 300, 64, 7, 129]
@@ -147,7 +147,7 @@ def test_sm90_bwd_varlen_and_seqused_k(d, causal, seqused):
     _check(q, k, v, args)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_sm90_bwd_ignores_a_stale_cache_past_seqused_k(d):
     """Keys past seqused_k are inside the tensor, so TMA loads them: NaN there must not reach any
     gradient (the kernel zeroes those rows in shared memory), and dk, dv there are 0."""
@@ -163,7 +163,7 @@ def test_sm90_bwd_ignores_a_stale_cache_past_seqused_k(d):
         assert (dk[b, n:] == 0).all() and (dv[b, n:] == 0).all()
 
 
-@pytest.mark.parametrize("d", [8, 40, 72, 80, 120, 200, 248])
+@pytest.mark.parametrize("d", [8, 40, 72, 80, 120, 136, 176, 200, 248])
 def test_sm90_bwd_padded_headdims(d):
     torch.manual_seed(d)
     q = randn_in_nan((2, 211, 4, d), torch.float16, row_dim=1, pad_rows=3, pad_cols=8)
@@ -234,7 +234,7 @@ def test_sm90_bwd_offsets_beyond_4gib():
     assert (dq[1:] - alone_dq).abs().max().item() <= 2**-6 * scale
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 192, 256])
 def test_sm90_bwd_matches_the_sm80_kernels(d):
     """The two backward kernels on one call: the same gradients up to rounding (both are checked
     against the oracle above; this catches a difference the tolerance might let through)."""
@@ -256,7 +256,7 @@ def test_sm90_bwd_matches_the_sm80_kernels(d):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_sm90_bwd_buffers_it_allocates_may_hold_anything(monkeypatch, d, varlen):
     """Gradients match the oracle with every fresh float buffer NaN-filled (`poisoned_backward_case`)."""
     q, k, v, kw = poisoned_backward_case(monkeypatch, d, varlen)

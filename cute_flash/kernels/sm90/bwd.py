@@ -130,6 +130,13 @@ class FlashBwdSm90:
         # the EMPTY barriers of the dQ tiles follow their FULL ones
         self.barrier_dq_empty = BARRIER_DQ_FULL + NUM_CONSUMER_WGS * config.dq_stages
 
+    def split_atom(self, cols: int):
+        """The swizzle atom of Q, dO and K (rows of `cols` elements). With `dkv_split` each
+        warpgroup reads half of their columns as an MN-major operand (dK, dV, dQ), so the atom
+        must tile that half: at head dim 192 the 96 columns take 32-column atoms (64-byte
+        swizzle) where a whole row would take 64-column ones."""
+        return wgmma_smem_layout_atom(self.dtype, cols // NUM_CONSUMER_WGS if self.cfg.dkv_split else cols)
+
     # ------------------------------------------------------------------------------------------
     # host side
     # ------------------------------------------------------------------------------------------
@@ -159,15 +166,15 @@ class FlashBwdSm90:
     ):
         cfg = self.cfg
         # (rows, cols, stage), with a stage mode of 1 too
-        sQ_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.head_dim),
+        sQ_layout = cute.tile_to_shape(self.split_atom(cfg.head_dim),
                                        (cfg.tile_m, cfg.head_dim, cfg.num_stages), (0, 1, 2))
-        sdO_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.head_dim_v),
+        sdO_layout = cute.tile_to_shape(self.split_atom(cfg.head_dim_v),
                                         (cfg.tile_m, cfg.head_dim_v, cfg.num_stages), (0, 1, 2))
-        sK_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim)
+        sK_layout = cute.tile_to_shape(self.split_atom(cfg.head_dim), (cfg.tile_n, cfg.head_dim), (0, 1))
         sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v)
-        # the dS^T stages, then (`dkv_split`) P^T
+        # the dS^T stages, then (`dkv_split`) the P^T ones
         sdS_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.tile_m),
-                                        (cfg.tile_n, cfg.tile_m, cfg.ds_stages + int(cfg.dkv_split)), (0, 1, 2))
+                                        (cfg.tile_n, cfg.tile_m, cfg.ds_stages + cfg.p_stages), (0, 1, 2))
         sStat_layout = cute.make_layout((cfg.stat_box, cfg.num_stages), stride=(1, cfg.stat_stage_stride))
         # `dq_stages` fp32 dQ partials per consumer warpgroup, the sources of its TMA reduce-adds:
         # (rows, cols, warpgroup, stage)
@@ -524,11 +531,11 @@ class FlashBwdSm90:
         stsm_dS = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma_SdP
         ).get_slice(ctidx)
-        tdSsdS = stsm_dS.partition_D(sdS)  # (..., ds_stages [+ P^T])
+        tdSsdS = stsm_dS.partition_D(sdS)  # (..., ds_stages [+ p_stages])
         if cutlass.const_expr(cfg.dkv_split):
-            # P^T and dS^T as the shared-memory A operands of dV and dK
-            tdVsP = tiled_mma_dV.make_fragment_A(thr_mma_dV.partition_A(sdS[None, None, cfg.ds_stages]))
-            tdKsdS = tiled_mma_dK.make_fragment_A(thr_mma_dK.partition_A(sdS))  # (..., ds_stages [+ P^T])
+            # P^T and dS^T as the shared-memory A operands of dV and dK: (..., ds_stages + p_stages)
+            tdVsP = tiled_mma_dV.make_fragment_A(thr_mma_dV.partition_A(sdS))
+            tdKsdS = tiled_mma_dK.make_fragment_A(thr_mma_dK.partition_A(sdS))
         # this warpgroup's fp32 dQ partial -> its shared-memory tile (pairs of floats), which it
         # then adds to dQaccum in global memory with a TMA reduce-add
         sdQ_wg = sdQ[None, None, wg_idx, None]  # (rows, cols, stage)
@@ -629,8 +636,9 @@ class FlashBwdSm90:
                     gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
                 else:
                     rP.store(acc_S.load().to(self.dtype))
+                p_stage = cfg.ds_stages + it % cfg.p_stages if cutlass.const_expr(cfg.dkv_split) else 0
                 if cutlass.const_expr(cfg.dkv_split):
-                    cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, cfg.ds_stages])
+                    cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, p_stage])
                 elif cutlass.const_expr(not cfg.dv_after_ds):
                     gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
                 # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
@@ -666,7 +674,8 @@ class FlashBwdSm90:
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
                 if cutlass.const_expr(cfg.dkv_split):
                     # P^T and dS^T of both warpgroups are in shared memory
-                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVsP, tdVrdOt[None, None, None, stage], it > 0)
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVsP[None, None, None, p_stage],
+                                       tdVrdOt[None, None, None, stage], it > 0)
                     gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKsdS[None, None, None, ds_stage],
                                        tdKrQt[None, None, None, stage], it > 0)
                 acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)),
@@ -809,7 +818,7 @@ class FlashBwdSm90:
     def staging_tile(self, sX, tile_d: int) -> cute.Tensor:
         """A (tile_n, tile_d) tile over the (tile_m, tile_d, 2 stages) of Q or dO: the same swizzle
         atom (its pointer carries the swizzle), as many elements."""
-        layout = wgmma_smem_layout_tile(self.dtype, self.cfg.tile_n, tile_d)
+        layout = cute.tile_to_shape(self.split_atom(tile_d), (self.cfg.tile_n, tile_d), (0, 1))
         assert cute.cosize(layout) <= cute.cosize(sX.layout), "the staging tile does not fit"
         return cute.make_tensor(sX.iterator, layout.outer)
 

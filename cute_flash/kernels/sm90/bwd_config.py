@@ -30,14 +30,13 @@ or below and is `STAT_ALIGN` rows longer (`stat_box`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..common.tiles import SM90_STATIC_SMEM_BYTES, align_up, check_attention_config, pad_headdim
 
-TILE_HEADDIMS = (64, 96, 128, 256)
-# Head dims 129-192 would pad to 256 (a third of the work wasted); they stay on the sm_80 kernels.
-REFUSED_HEADDIMS = range(129, 193)
+TILE_HEADDIMS = (64, 96, 128, 192, 256)
 DTYPES = ("float16", "bfloat16")
 SMEM_LIMIT = 227 * 1024
 NUM_CONSUMER_WGS = 2
@@ -75,8 +74,9 @@ TILES = {
     96: BwdTile(64, 2, dq_writer=True, overlap_dv=True, dq_stages=2),
     128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain",),
                  dq_fence_late=("masked",), dk_behind_dq=True),
-    # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); one stage of
-    # (Q, dO): two do not fit next to K, V, P^T, dS^T and the dQ tiles
+    # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); at 256 one
+    # stage of (Q, dO): two do not fit next to K, V, P^T, dS^T and the dQ tiles
+    192: BwdTile(64, 2, dq_split=True, dq_writer=True, dkv_split=True),
     256: BwdTile(64, 1, dq_split=True, dq_writer=True, dkv_split=True),
 }
 
@@ -208,8 +208,8 @@ class Sm90BwdConfig:
             for flag in ("overlap_dv", "dk_after_dq", "dk_behind_dq", "dq_rows", "dv_after_ds", "stats_early"):
                 if getattr(self, flag):
                     raise ValueError(f"dkv_split reads P^T and dS^T from shared memory; it excludes {flag}")
-            if not self.dq_split or self.num_stages != 1:
-                raise ValueError("dkv_split needs dq_split and one (Q, dO) stage")
+            if not self.dq_split or self.head_dim not in (192, 256):
+                raise ValueError(f"dkv_split needs dq_split and head dim 192 or 256; got {self.head_dim}")
         elif self.head_dim > 128:
             raise ValueError(f"head dim {self.head_dim} needs dkv_split")
         if self.tile_m != (128 if self.dq_rows else 64):
@@ -219,8 +219,8 @@ class Sm90BwdConfig:
             raise ValueError("dv_after_ds and overlap_dv exclude each other")
         if self.dq_rows and self.dq_split:
             raise ValueError("dq_rows and dq_split exclude each other")
-        if self.dq_split and self.head_dim not in (64, 128, 256):
-            raise ValueError(f"dq_split needs head dim 64, 128 or 256; got {self.head_dim}")
+        if self.dq_split and self.head_dim not in (64, 128, 192, 256):
+            raise ValueError(f"dq_split needs head dim 64, 128, 192 or 256; got {self.head_dim}")
         if self.dk_behind_dq and self.dk_after_dq:
             raise ValueError("dk_behind_dq and dk_after_dq exclude each other")
         if self.dq_fence_late and not self.dq_writer:
@@ -260,14 +260,22 @@ class Sm90BwdConfig:
         return 2 if self.dq_split or self.dq_rows else 1
 
     @property
+    def p_stages(self) -> int:
+        """P^T buffers in shared memory (`dkv_split`): one per dS^T buffer, so that a warpgroup
+        a step ahead (with two (Q, dO) stages) never overwrites the P^T the other still reads;
+        one with one stage, where no warpgroup gets a step ahead."""
+        if not self.dkv_split:
+            return 0
+        return self.ds_stages if self.num_stages > 1 else 1
+
+    @property
     def smem_bytes(self) -> int:
         """Shared memory of a CTA: the kernel's `SharedStorage` field by field with their
         alignments, and the static shared memory (the compile tests check both)."""
         k_v = self.tile_n * (self.head_dim + self.head_dim_v)
         q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
         ds = self.ds_stages * self.tile_n * self.tile_m
-        if self.dkv_split:
-            ds += self.tile_n * self.tile_m  # P^T
+        ds += self.p_stages * self.tile_n * self.tile_m  # P^T (`dkv_split`)
         stat = 4 * (self.stat_stage_stride * (self.num_stages - 1) + self.stat_box)  # LSE, and D
         dq = 4 * NUM_CONSUMER_WGS * self.dq_stages * self.dq_rows_per_wg * self.dq_cols  # fp32 dQ tiles
         size = 1024 + 2 * (k_v + q_do + ds)  # the mbarriers, padded to the 1024-aligned tiles
@@ -287,11 +295,7 @@ class Sm90BwdConfig:
 
 
 def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdConfig:
-    """The configuration for actual head dims (multiples of 8 up to 128, or 200-256; equal) and
-    feature flags."""
-    if head_dim in REFUSED_HEADDIMS or head_dim_v in REFUSED_HEADDIMS:
-        raise UnsupportedHeadDim(
-            f"the sm_90 backward kernel does not take head dims {head_dim} / {head_dim_v} (129-192)")
+    """The configuration for actual head dims (multiples of 8 up to 256, equal) and feature flags."""
     hd = pad_headdim(head_dim, TILE_HEADDIMS, UnsupportedHeadDim)
     pad_headdim(head_dim_v, TILE_HEADDIMS, UnsupportedHeadDim)
     if head_dim_v != head_dim:
@@ -314,8 +318,19 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dkv_split", tile.dkv_split)
     flags.setdefault("lpt", flags.get("causal", False))
     flags.setdefault("dkv_staged", True)
-    return Sm90BwdConfig(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages,
-                         **flags)
+    fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
+    if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
+        # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
+        fields["num_stages"] = 1
+    return Sm90BwdConfig(**fields)
+
+
+def _unchecked(fields: dict) -> Sm90BwdConfig:
+    """A configuration of these fields without `__post_init__`'s checks, to size it."""
+    config = object.__new__(Sm90BwdConfig)
+    for f in dataclasses.fields(Sm90BwdConfig):
+        object.__setattr__(config, f.name, fields.get(f.name, f.default))
+    return config
 
 
 def shipped_configs() -> list:
@@ -330,8 +345,10 @@ def shipped_configs() -> list:
     configs += [
         make_config("bfloat16", 128, 128, local=True, softcap=True),
         make_config("bfloat16", 128, 128, causal=True, softcap=True),
-        # the column-split tile (`dkv_split`) with every mask and sequence feature
+        # the column-split tile (`dkv_split`) with every mask and sequence feature (at 192 with one
+        # stage, as varlen calls take it)
         make_config("bfloat16", 256, 256, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
+        make_config("bfloat16", 192, 192, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 128, 128, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 128, 128, local=True, varlen_q=True, varlen_k=True),
         make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True),
