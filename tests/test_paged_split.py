@@ -56,16 +56,20 @@ def test_tiles_that_spill_with_one_page_lookup_per_tile_look_up_per_row(head_dim
     assert config.paged_kv and config.page_size_pow2 and config.pages_hold_tiles == (not per_row)
 
 
-def test_hd192_with_seqused_k_and_split_kv_looks_pages_up_per_row():
-    """One lookup per tile spilled there in fp16 (8/8 B for sm_80)."""
-    config = fc.make_config("float16", 192, 192, page_size=256, seqused_k=True, split_kv=True)
-    assert config.paged_kv and not config.pages_hold_tiles
-    assert fc.make_config("float16", 192, 192, page_size=256, seqused_k=True).pages_hold_tiles
+@pytest.mark.parametrize("head_dim,flags,per_row", [
+    (192, {"seqused_k": True, "split_kv": True}, True), (192, {"causal": True}, True), (192, {"seqused_k": True}, False),
+    (64, {"local": True, "seqused_k": True, "split_kv": True}, True), (64, {"seqused_k": True, "split_kv": True}, False),
+])
+def test_fp16_tiles_that_spilled_with_one_lookup_per_tile_look_up_per_row(head_dim, flags, per_row):
+    """One lookup per tile spilled there in fp16 (`audit --sweep`: 8-36 B)."""
+    config = fc.make_config("float16", head_dim, head_dim, page_size=256, **flags)
+    assert config.paged_kv and config.pages_hold_tiles == (not per_row)
 
 
 @pytest.mark.parametrize("flags,narrow", [
     ({"local": True, "split_kv": True}, True), ({"causal": True, "split_kv": True, "page_size": 256}, True),
     ({"softcap": True, "page_size": 16}, True), ({"split_kv": True}, False), ({"softcap": True}, False),
+    ({"softcap": True, "local": True}, True), ({"softcap": True, "causal": True}, False),
     ({"local": True, "page_size": 64}, False),
 ])
 def test_head_dim_256_takes_the_narrow_tile_where_the_wide_one_spilled(flags, narrow):

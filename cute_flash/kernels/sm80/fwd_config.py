@@ -58,9 +58,10 @@ TILES = {
 # batch 16-128; the other head dims use one tile for every call).
 SHORT_QUERY_TILES = {**TILES, 128: Tile(64, 64, 4, 2, min_ctas_per_sm=1)}
 SHORT_QUERY_ROWS = 64
-# hd256 with a mask and split-KV, or softcap over a paged cache, spilled on the 64x64 tile (up to
-# 40/32 B for sm_80, 32/24 for sm_90a: `python -m cute_flash.audit --sweep`); 32 keys per block
-# (two stages, 96 KB) compile without spills there
+# hd256 with a mask and split-KV, softcap over a paged cache, or (fp16) softcap with a window
+# spilled on the 64x64 tile (up to 40/32 B for sm_80, 32/24 for sm_90a; the last 12/12 for
+# sm_90a: `python -m cute_flash.audit --sweep`); 32 keys per block (two stages, 96 KB) compile
+# without spills there
 NARROW_TILES = {256: Tile(64, 32, 4, 2)}
 
 
@@ -146,21 +147,21 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = (SHORT_QUERY_TILES if short_queries else TILES)[max(hd, hdv)]
     masked = flags.get("causal", False) or flags.get("local", False)
-    if max(hd, hdv) == 256 and ((masked and flags.get("split_kv", False))
-                                or (flags.get("softcap", False) and page_size is not None)):
+    softcap = flags.get("softcap", False)
+    if max(hd, hdv) == 256 and ((masked and flags.get("split_kv", False)) or (softcap and page_size is not None)
+                                or (softcap and flags.get("local", False))):
         tile = NARROW_TILES[256]
     if page_size is not None:
         # One page-table lookup per key block where pages hold whole tiles, except where the
         # table's tile spills with it and looks the pages up per row instead, as for smaller
         # pages: the 128x128 tiles (hd128 8/8 B for sm_90a; hd96 with seqused_k and split-KV
-        # 28/28), hd64's with a causal mask (136/144 B for sm_90a, 84/84 for sm_80), and in fp16
-        # hd192 with seqused_k and split-KV and hd256 with a mask (8/8 for sm_80 each; the
-        # sweep's bf16 half compiles either way, and looks up per row too).
+        # 28/28), hd64's with a mask (causal 136/144 B for sm_90a, 84/84 for sm_80; fp16 with a
+        # window, seqused_k and split-KV 36/32 for sm_90a), and in fp16 hd192 with a mask or with
+        # seqused_k and split-KV (8/16 for sm_90a, 8/8 for sm_80) and hd256 with a mask (8/8 for
+        # sm_80); the sweep's bf16 half compiles either way, and looks up per row too.
         key = max(hd, hdv)
-        masked = flags.get("causal", False) or flags.get("local", False)
-        per_row = ((tile.tile_m, tile.tile_n) == (128, 128) or (key == 64 and flags.get("causal", False))
-                   or (key == 192 and flags.get("seqused_k", False) and flags.get("split_kv", False))
-                   or (key == 256 and masked))
+        per_row = ((tile.tile_m, tile.tile_n) == (128, 128) or (key in (64, 256) and masked)
+                   or (key == 192 and (masked or (flags.get("seqused_k", False) and flags.get("split_kv", False)))))
         flags.update(paged_kv=True, page_size_pow2=page_size & (page_size - 1) == 0,
                      pages_hold_tiles=page_size % tile.tile_n == 0 and not per_row)
     return Sm80FwdConfig(
