@@ -53,6 +53,11 @@ formed in registers and dK/dV are written once, in the input dtype.
    The softmax scale is applied once: to dK here and to dQ in the postprocess.
    dK and dV start from their first query block's GEMMs, not from a zero fill: the compiler
    would hoist the zeros above the warp-role branch and spill them there.
+   Head dims 192 and 256 (`dkv_split`): 64 keys per CTA, shared by both warpgroups. Warpgroup w
+   computes S^T and dP^T for queries [32w, 32w + 32) of the block (all 64 keys), writes its P^T
+   and dS^T columns to shared memory, and after a barrier of both issues dV += P^T dO,
+   dK += dS^T Q and dQ = dS K for its half of the head dim's columns, every A operand read from
+   shared memory. Q, dO and K take swizzle atoms that tile a half row (`split_atom`).
 3. Epilogue: dK (scaled) and dV rounded to the input dtype (RNE), stored row-predicated. TMA
    clips the dQ reduce-adds at the tensor's last row; in a varlen batch the rows of a block past
    its sequence are those of the next one, and they get + 0.0 (P^T, so dS^T and that part of

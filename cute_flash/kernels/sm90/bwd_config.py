@@ -12,9 +12,12 @@ head dim 128. On top of that, per query block of `tile_m` rows: the S^T and dP^T
 (64 * tile_m / 128 each), P^T and dS^T in 16 bits (half that each) and the warpgroup's dQ
 tile (tile_m * `dq_cols` / 128: all d columns, or half of them with `dq_split`). With 240 registers per consumer thread (`setmaxnreg`) that leaves
 room for 64-row query blocks at every head dim up to 128; every entry compiles with zero spills
-for sm_90a with all feature flags on. Head dims 192 and 256 would need dK and dV split over
-the warpgroups' columns (or over more CTAs), which this kernel does not do, so they are refused
-by name (`UnsupportedHeadDim`), as is a head dim of V that differs from Q's.
+for sm_90a with all feature flags on. At head dims 192 and 256 that would be 192 and 256
+registers for dK and dV alone, so there (`dkv_split`) the CTA takes 64 keys, both warpgroups
+share them and each keeps half of the columns of dK, dV and dQ (64 + 64 + 64 registers at 256),
+computing S^T and dP^T for half of the query block's rows; P^T and dS^T go through shared memory
+to the dK / dV / dQ GEMMs of both. A head dim of V that differs from Q's is refused by name
+(`UnsupportedHeadDim`), as are head dims above 256.
 
 Shared memory (`smem_bytes`): K and V of the CTA, `num_stages` buffers of (Q, dO, LSE, D),
 `ds_stages` dS^T buffers and the two warpgroups' fp32 dQ tiles (`dq_stages` each): about 2 *
