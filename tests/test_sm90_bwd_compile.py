@@ -90,11 +90,20 @@ def test_sm90_bwd_dkv_split_excludes_the_register_operand_orders():
 def test_sm90_bwd_refuses_a_headdim_of_v_that_differs_by_name():
     with pytest.raises(NotImplementedError, match="64"):
         bc.make_config("bfloat16", 128, 64)
+    with pytest.raises(NotImplementedError, match="96"):
+        bc.make_config("bfloat16", 192, 96)  # 48 columns of V per warpgroup: not whole swizzle atoms
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (256, 128), (128, 256), (256, 64), (64, 256), (200, 120)])
+def test_sm90_bwd_unequal_head_dims_above_128_take_the_column_split_tile(d, dv):
+    config = bc.make_config("bfloat16", d, dv)
+    assert config.dkv_split and config.tile_n == 64 and config.smem_bytes <= bc.SMEM_LIMIT
+    assert config.dq_cols == config.head_dim // 2
 
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 24  # each one is compiled and audited
+    assert len(configs) <= 26  # each one is compiled and audited
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -253,6 +262,7 @@ def test_sm90_native_backward_is_the_default_and_takes_only_what_its_kernel_does
     assert backend.native_backward_takes(_q(192), _q(192), _q(192), AttnArgs(0.1), False)
     assert not backend.native_backward_takes(_q(320), _q(320), _q(320), AttnArgs(0.1), False)
     assert not backend.native_backward_takes(q, q, _q(128), AttnArgs(0.1), False)  # head dim of V
+    assert backend.native_backward_takes(_q(192), _q(192), _q(128), AttnArgs(0.1), False)
     backend.native_backward = False  # the sm_80 kernels for everything
     assert not backend.native_backward_takes(q, q, q, AttnArgs(0.1), False)
 

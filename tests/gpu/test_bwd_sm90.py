@@ -163,6 +163,28 @@ def test_sm90_bwd_ignores_a_stale_cache_past_seqused_k(d):
         assert (dk[b, n:] == 0).all() and (dv[b, n:] == 0).all()
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dv", [(192, 128), (256, 128), (128, 256), (256, 64), (64, 256), (200, 120)])
+def test_sm90_bwd_unequal_head_dims(d, dv, causal, seqlen_q, seqlen_k):
+    """Head dims of Q and V that differ (above 128: the column-split tile), e.g. MLA's 192 / 128."""
+    torch.manual_seed(d + dv + seqlen_q)
+    q = torch.randn(2, seqlen_q, 4, d, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(2, seqlen_k, 2, d, dv, torch.bfloat16)
+    _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
+
+
+def test_sm90_bwd_unequal_head_dims_varlen_softcap_window():
+    torch.manual_seed(5)
+    seqlens_q, seqlens_k = [1, 300, 77], [90, 333, 500]
+    cu_q = torch.tensor([0, 1, 301, 378], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 90, 423, 923], dtype=torch.int32, device="cuda")
+    q = torch.randn(378, 4, 192, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(None, 923, 2, 192, 128, torch.bfloat16, varlen=True)
+    _check(q, k, v, _args(192, window_left=64, window_right=16, softcap=20.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                          max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k)))
+
+
 @pytest.mark.parametrize("d", [8, 40, 72, 80, 120, 136, 176, 200, 248])
 def test_sm90_bwd_padded_headdims(d):
     torch.manual_seed(d)

@@ -40,6 +40,8 @@ from typing import NamedTuple
 from ..common.tiles import SM90_STATIC_SMEM_BYTES, align_up, check_attention_config, pad_headdim
 
 TILE_HEADDIMS = (64, 96, 128, 192, 256)
+# Head dims that halve into whole swizzle atoms (`dkv_split`: each warpgroup's half of the columns)
+SPLIT_HEADDIMS = (64, 128, 192, 256)
 DTYPES = ("float16", "bfloat16")
 SMEM_LIMIT = 227 * 1024
 NUM_CONSUMER_WGS = 2
@@ -211,10 +213,15 @@ class Sm90BwdConfig:
             for flag in ("overlap_dv", "dk_after_dq", "dk_behind_dq", "dq_rows", "dv_after_ds", "stats_early"):
                 if getattr(self, flag):
                     raise ValueError(f"dkv_split reads P^T and dS^T from shared memory; it excludes {flag}")
-            if not self.dq_split or self.head_dim not in (192, 256):
+            if not self.dq_split or max(self.head_dim, self.head_dim_v) not in (192, 256):
                 raise ValueError(f"dkv_split needs dq_split and head dim 192 or 256; got {self.head_dim}")
-        elif self.head_dim > 128:
-            raise ValueError(f"head dim {self.head_dim} needs dkv_split")
+            if self.head_dim_v not in SPLIT_HEADDIMS:
+                # each warpgroup's half of V's columns is an MN-major operand: whole swizzle atoms
+                raise ValueError(f"dkv_split needs head dim of V in {SPLIT_HEADDIMS}; got {self.head_dim_v}")
+        elif max(self.head_dim, self.head_dim_v) > 128:
+            raise ValueError(f"head dim {max(self.head_dim, self.head_dim_v)} needs dkv_split")
+        elif self.head_dim != self.head_dim_v:
+            raise ValueError("unequal head dims of Q and V need dkv_split")
         if self.tile_m != (128 if self.dq_rows else 64):
             # the M of the dQ GEMM: one m64 WGMMA per warpgroup, over 64 of 128 rows with `dq_rows`
             raise ValueError(f"tile_m must be 64, or 128 with dq_rows; got {self.tile_m}")
@@ -298,15 +305,21 @@ class Sm90BwdConfig:
 
 
 def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdConfig:
-    """The configuration for actual head dims (multiples of 8 up to 256, equal) and feature flags."""
+    """The configuration for actual head dims (multiples of 8 up to 256) and feature flags. Head
+    dims of Q and V may differ where the larger is above 128 (the column-split tile) and the
+    smaller pads to 64, 128 or 192 (e.g. 192 with 128, 256 with 64)."""
     hd = pad_headdim(head_dim, TILE_HEADDIMS, UnsupportedHeadDim)
-    pad_headdim(head_dim_v, TILE_HEADDIMS, UnsupportedHeadDim)
-    if head_dim_v != head_dim:
-        raise NotImplementedError(
-            f"the sm_90 backward kernel needs head dim of V == head dim of Q; got {head_dim_v} and {head_dim}"
-        )
-    wide = hd in WIDE_TILES and not flags.get("softcap", False) and flags.get("dq_writer", True)
-    tile = WIDE_TILES[hd] if wide else TILES[hd]
+    hdv = pad_headdim(head_dim_v, TILE_HEADDIMS, UnsupportedHeadDim)
+    if hd != hdv:
+        if max(hd, hdv) <= 128 or min(hd, hdv) not in SPLIT_HEADDIMS:
+            raise NotImplementedError(
+                f"the sm_90 backward kernel takes unequal head dims of Q and V only where the larger "
+                f"is above 128 and the smaller pads to {SPLIT_HEADDIMS[:-1]}; got {head_dim} and {head_dim_v}"
+            )
+        if hd not in SPLIT_HEADDIMS:
+            raise NotImplementedError(f"the sm_90 backward kernel does not take head dim {head_dim} with {head_dim_v}")
+    wide = hd in WIDE_TILES and hd == hdv and not flags.get("softcap", False) and flags.get("dq_writer", True)
+    tile = WIDE_TILES[hd] if wide else TILES[max(hd, hdv)]
     flags.setdefault("dq_split", tile.dq_split)
     flags.setdefault("dq_writer", tile.dq_writer)
     flags.setdefault("overlap_dv", tile.overlap_dv and not flags.get("softcap", False))
@@ -321,7 +334,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dkv_split", tile.dkv_split)
     flags.setdefault("lpt", flags.get("causal", False))
     flags.setdefault("dkv_staged", True)
-    fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hd, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
+    fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
@@ -352,6 +365,7 @@ def shipped_configs() -> list:
         # stage, as varlen calls take it)
         make_config("bfloat16", 256, 256, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 192, 192, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
+        make_config("bfloat16", 192, 128, causal=True),  # unequal head dims (e.g. MLA's 192 / 128)
         make_config("bfloat16", 128, 128, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 128, 128, local=True, varlen_q=True, varlen_k=True),
         make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True),
