@@ -113,7 +113,8 @@ def test_cute_backend_launches_the_packed_call(monkeypatch):
     backend = CuteSm80Backend()
     monkeypatch.setattr(backend, "pack_gqa_decode", True)
     seen = {}
-    monkeypatch.setattr(backend, "config", lambda q, k, v, lse, args: seen.setdefault("config", (q.shape, args)))
+    monkeypatch.setattr(backend, "config",
+                        lambda q, k, v, lse, args, **flags: seen.setdefault("config", (q.shape, args)))
     monkeypatch.setattr(backend, "arch", lambda device=None: "sm_80")
     monkeypatch.setattr(backend.cache, "get", lambda config, arch: (None, None))
     monkeypatch.setattr("cute_flash.backends.split_kv.num_splits", lambda *a, **kw: 1)

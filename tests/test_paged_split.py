@@ -57,8 +57,9 @@ def test_tiles_that_spill_with_one_page_lookup_per_tile_look_up_per_row(head_dim
 
 
 @pytest.mark.parametrize("head_dim,flags,per_row", [
-    (192, {"seqused_k": True, "split_kv": True}, True), (192, {"causal": True}, True), (192, {"seqused_k": True}, False),
-    (64, {"local": True, "seqused_k": True, "split_kv": True}, True), (64, {"seqused_k": True, "split_kv": True}, False),
+    (192, {"seqused_k": True, "split_kv": True}, True), (192, {"causal": True}, True),
+    (192, {"seqused_k": True}, False), (64, {"local": True, "seqused_k": True, "split_kv": True}, True),
+    (64, {"seqused_k": True, "split_kv": True}, False),
 ])
 def test_fp16_tiles_that_spilled_with_one_lookup_per_tile_look_up_per_row(head_dim, flags, per_row):
     """One lookup per tile spilled there in fp16 (`audit --sweep`: 8-36 B)."""

@@ -179,13 +179,18 @@ def test_backward_refuses_head_dims_it_cannot_tile_by_name():
 
 def test_backward_refuses_a_gpu_without_the_shared_memory_of_its_tile(monkeypatch):
     """Head dim 256 needs 100 KB per CTA: an sm_86 / sm_89 part (99 KB) gets a refusal saying so,
-    and its backward goes to the reference backend; head dim 128 still fits."""
+    and its backward goes to the reference backend; head dim 128 still fits. (cute-sm90 runs
+    head dim 256 on its own backward kernel, which only an sm_90 part runs; with that off it
+    hands the call to these kernels, with their limits.)"""
     from cute_flash.backends import cute_bwd
     from cute_flash.backends.cute import CuteSm80Backend, CuteSm90Backend
 
     monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: SM86_SMEM)
     q256, q128 = _q(256), _q(128)
-    for backend in (CuteSm80Backend(), CuteSm90Backend()):
+    assert CuteSm90Backend().backward_refusal(q256, q256, q256, AttnArgs(0.1), False) is None
+    on_sm80_kernels = CuteSm90Backend()
+    on_sm80_kernels.native_backward = False
+    for backend in (CuteSm80Backend(), on_sm80_kernels):
         assert "shared memory" in backend.backward_refusal(q256, q256, q256, AttnArgs(0.1), False)
         assert backend.backward_refusal(q128, q128, q128, AttnArgs(0.1), False) is None
     monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: A100_SMEM)
