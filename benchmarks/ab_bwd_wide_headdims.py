@@ -1,8 +1,7 @@
 """Forward + backward above head dim 128 with equal and unequal head dims of Q and V (192 / 192,
 192 / 128 as in MLA): cute-sm90 with its own backward kernel (`sm90`) and with the backward on
-the sm_80 kernels (`sm80`, `CuteSm90Backend.native_backward = False`), the sm_90 backward
-without `sdp_ahead` (`sm90-in-turn`: each block's GEMMs waited for before the next block's are
-issued), next to flash-attn-4 when importable. bf16, 2 x 8192 x 16 heads, three rounds, the order reversed every other round;
+the sm_80 kernels (`sm80`, `CuteSm90Backend.native_backward = False`), next to flash-attn-4 when
+importable. bf16, 2 x 8192 x 16 heads, three rounds, the order reversed every other round;
 TFLOP/s counts 2 * b * h * s^2 * (d + dv) * 3.5 (halved when causal).
 
     python benchmarks/ab_bwd_wide_headdims.py      # GPU
@@ -16,18 +15,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import cute_flash  # noqa: E402
-from cute_flash.backends import cute_bwd, get_backend  # noqa: E402
-from cute_flash.kernels.sm90 import bwd_config  # noqa: E402
-
-SHIPPED_TILES = dict(bwd_config.TILES)
-
-
-def sdp_ahead(on: bool) -> None:
-    """The sm_90 backward's tiles with `sdp_ahead` as shipped, or off everywhere."""
-    bwd_config.TILES.update(SHIPPED_TILES if on else {
-        d: t._replace(sdp_ahead=False) for d, t in SHIPPED_TILES.items()})
-    cute_bwd._configs.cache_clear()
-
+from cute_flash.backends import get_backend  # noqa: E402
 
 be = get_backend("cute-sm90")
 try:
@@ -51,10 +39,9 @@ for d, dv in ((192, 128), (192, 192)):
             out = flash_attn_func(q, k, v, causal=causal)
             (out[0] if isinstance(out, tuple) else out).backward(do)
 
-        names = ["sm90", "sm90-in-turn", "sm80", "fa4"]
-        res = {name: [] for name in names}
+        res = {"sm90": [], "sm80": [], "fa4": []}
         for r in range(3):
-            for name in (names if r % 2 == 0 else names[::-1]):
+            for name in (["sm90", "sm80", "fa4"] if r % 2 == 0 else ["fa4", "sm80", "sm90"]):
                 if name == "fa4":
                     if flash_attn_func is None:
                         continue
@@ -65,11 +52,9 @@ for d, dv in ((192, 128), (192, 192)):
                         res["fa4"].append(str(exc)[:60])
                         continue
                 else:
-                    be.native_backward = name != "sm80"
-                    sdp_ahead(name != "sm90-in-turn")
+                    be.native_backward = name == "sm90"
                     fn = step
                 ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                 res[name].append(f"{flops / ms * 1e-9:.1f}")
         be.native_backward = True
-        sdp_ahead(True)
         print(f"d={d} dv={dv} causal={causal} fwd+bwd TFLOP/s (3 rounds):", res, flush=True)

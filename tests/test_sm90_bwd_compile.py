@@ -73,9 +73,6 @@ def test_sm90_bwd_head_dim_192_takes_one_stage_where_varlen_boxes_leave_no_room_
     two = bc.make_config("bfloat16", 192, 192, varlen_q=False)
     one = bc.make_config("bfloat16", 192, 192, varlen_q=True, varlen_k=True)
     assert (two.num_stages, one.num_stages) == (2, 1)
-    assert two.sdp_ahead and not one.sdp_ahead  # the next block's stage while this one's is held
-    with pytest.raises(ValueError, match="sdp_ahead"):
-        replace(one, sdp_ahead=True)
     assert two.smem_bytes <= bc.SMEM_LIMIT < bc._unchecked({**vars(one), "num_stages": 2}).smem_bytes
 
 
@@ -113,8 +110,8 @@ def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
 def test_sm90_bwd_config_names_tell_apart_every_flag():
     base = bc.make_config("bfloat16", 128, 128)  # every flag can flip at head dim 128
     for f in fields(base):
-        if f.name in ("dkv_split", "sdp_ahead"):
-            continue  # head dims above 128 only: below
+        if f.name == "dkv_split":
+            continue  # head dim 256 only: below
         if isinstance(getattr(base, f.name), bool):
             flipped = {f.name: not getattr(base, f.name)}
             if f.name == "dq_writer":
@@ -131,8 +128,6 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
     wide = bc.make_config("bfloat16", 64, 64)
     assert replace(wide, dv_after_ds=False).name != wide.name
     assert "dkv_split" in bc.make_config("bfloat16", 256, 256).name
-    split = bc.make_config("bfloat16", 192, 192)
-    assert split.sdp_ahead and replace(split, sdp_ahead=False).name != split.name
     assert replace(wide, dq_rows=False, tile_m=64).name != wide.name
 
 

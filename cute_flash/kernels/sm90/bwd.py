@@ -588,148 +588,139 @@ class FlashBwdSm90:
             stat_query = thr_query
             if cutlass.const_expr(cfg.varlen_q):
                 stat_query = thr_query + seqlen.offset_q % STAT_ALIGN
-            if cutlass.const_expr(cfg.sdp_ahead):
-                self.split_steps(
-                    ctidx, wg_idx, sLSE, sD, pipeline_q, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ,
-                    thr_mma_SdP, thr_mma_dQ, tSrK, tSrQ, tdPrV, tdPrdO, tdVsP, tdKsdS, tdVrdOt, tdKrQt, tdQrdS,
-                    tdQrKt, stsm_dS, tdSsdS, r2s_dQ, tdQsdQ, rP, rdS, acc_dK, acc_dV, t0ScS_mn, thr_key,
-                    thr_query, stat_query, seqlen, n_lo, offset, left, right, head_k, group, m_block_min, m_steps,
-                    softmax_scale_log2, softcap_prescale,
-                )
-            else:
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-                # with `dk_after_dq` a stage is released one block late, once its dK GEMM is done
-                release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-                for it in cutlass.range(m_steps * group, unroll=1):
-                    head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
-                    m_lo = m_block * cfg.tile_m
-                    stage = state.index
-                    pipeline_q.consumer_wait(state)
-                    # this thread's LSE and D: its first query's entry + thread 0's column (immediates)
-                    sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
-                    sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
-                    lse_r = None
-                    if cutlass.const_expr(cfg.stats_early):
-                        lse_r = self.thread_stats(sLSE_thr, t0ScS_mn)
-                    acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
-                    acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
-                    gemm(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
-                    # dP^T runs while P^T is computed, except with soft-capping, whose tanh leaves no
-                    # room for the dP^T tile in flight next to dK and dV at head dim 128
-                    if cutlass.const_expr(not cfg.softcap):
-                        gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
-                    if cutlass.const_expr(cfg.dq_fence_late):
-                        if it > 0:  # the previous block's dQ tile is stored: hand it to the writer warp
-                            self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
-                    warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
-                    if cutlass.const_expr(cfg.dk_after_dq):
-                        if it > 0:  # the previous block's dK GEMM, the last reader of its stage, is done
-                            pipeline_q.consumer_release(release_state)
-                            release_state.advance()
-
-                    # the masked path: tails on either side, the causal diagonal, the window edges
-                    masked = (n_lo + cfg.tile_n > seqlen.seqlen_k) | (m_lo + cfg.tile_m > seqlen.seqlen_q)
-                    if cutlass.const_expr(cfg.causal or cfg.local):
-                        masked = masked | (n_lo + cfg.tile_n - 1 > m_lo + offset + right)
-                    if cutlass.const_expr(cfg.local):
-                        masked = masked | (n_lo < m_lo + cfg.tile_m - 1 + offset - left)
-                    if masked:
-                        # a (key, query) pair of this thread is key0 + k, query0 + q with (k, q) thread
-                        # 0's coordinates; the limits below move this thread's part to the right side
-                        key0, query0 = n_lo + thr_key, m_lo + thr_query
-                        limits = (
-                            seqlen.seqlen_k - key0,  # k >= this: key past seqlen_k
-                            seqlen.seqlen_q - query0,  # q >= this: query past seqlen_q
-                            query0 + offset + right - key0,  # k - q > this: right of the window / diagonal
-                            query0 + offset - left - key0,  # k - q < this: left of the window
-                        )
-                        self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
-                    else:
-                        self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
-                    if cutlass.const_expr(cfg.softcap):
-                        gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
-                    else:
-                        rP.store(acc_S.load().to(self.dtype))
-                    p_stage = cfg.ds_stages + it % cfg.p_stages if cutlass.const_expr(cfg.dkv_split) else 0
-                    if cutlass.const_expr(cfg.dkv_split):
-                        cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, p_stage])
-                    elif cutlass.const_expr(not cfg.dv_after_ds):
-                        gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
-                    # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
-                    # from being live together
-                    warpgroup.wait_group(1 if cutlass.const_expr(cfg.overlap_dv and not cfg.softcap) else 0)
-
-                    # dS^T = P^T (dP^T - D), with soft-capping P^T (1 - tanh^2) (dP^T - D)
-                    acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
-                    acc_dP_mn = acc_mn_view(acc_as_mma_sync(acc_dP))
-                    for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
-                        d_row = sD_thr[t0ScS_mn[0, c][1]]
-                        for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                            acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
-                    rdS.store(acc_dP.load().to(self.dtype))
-                    if cutlass.const_expr(cfg.dv_after_ds):
-                        gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
-                    if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq and not cfg.dkv_split):
-                        gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
-
-                    # dS^T of this warpgroup's keys -> shared memory -> dQ partial
-                    ds_stage = it % cfg.ds_stages
-                    cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
-                    cute.arch.fence_view_async_shared()  # stmatrix wrote through the generic proxy
-                    if cutlass.const_expr(not cfg.dq_writer):
-                        if dq_warp:
-                            # the previous block's reduce-add is done reading sdQ_wg before it is rewritten
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    if cutlass.const_expr(cfg.dq_split or cfg.dq_rows):
-                        # both warpgroups' dS^T rows are in; each last read the other buffer before it
-                        # arrived here, so the next step may overwrite that one
-                        cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
-                    else:
-                        cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
-                    if cutlass.const_expr(cfg.dkv_split):
-                        # P^T and dS^T of both warpgroups are in shared memory
-                        gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVsP[None, None, None, p_stage],
-                                           tdVrdOt[None, None, None, stage], it > 0)
-                        gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKsdS[None, None, None, ds_stage],
-                                           tdKrQt[None, None, None, stage], it > 0)
-                    acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)),
-                                                   Float32)
-                    gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
-                    if cutlass.const_expr(cfg.dk_after_dq or cfg.dk_behind_dq):
-                        gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
-                        warpgroup.wait_group(1)  # dQ (and dV) in; the end of every read of sdS
-                    else:
-                        warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
-                        pipeline_q.consumer_release(state)
-                    if cutlass.const_expr(not cfg.dk_behind_dq):
-                        state.advance()
-
-                    if cutlass.const_expr(cfg.dq_writer):
-                        buf = it % cfg.dq_stages
-                        if it >= cfg.dq_stages:  # the writer warp's last reduce-add from this tile has read it
-                            cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf),
-                                              number_of_threads=128 + 32)
-                        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
-                        if cutlass.const_expr(not cfg.dq_fence_late):
-                            self.hand_over_dq(wg_idx, buf)
-                    else:
-                        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, 0])
-                        cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
-                        cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
-                        if dq_warp:
-                            self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg[None, None, 0], seqlen, batch, head, m_block, wg_idx)
-                    if cutlass.const_expr(cfg.dk_behind_dq):
-                        warpgroup.wait_group(0)  # dK in: the end of every read of this stage
-                        pipeline_q.consumer_release(state)
-                        state.advance()
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+            # with `dk_after_dq` a stage is released one block late, once its dK GEMM is done
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+            for it in cutlass.range(m_steps * group, unroll=1):
+                head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
+                m_lo = m_block * cfg.tile_m
+                stage = state.index
+                pipeline_q.consumer_wait(state)
+                # this thread's LSE and D: its first query's entry + thread 0's column (immediates)
+                sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
+                sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
+                lse_r = None
+                if cutlass.const_expr(cfg.stats_early):
+                    lse_r = self.thread_stats(sLSE_thr, t0ScS_mn)
+                acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
+                acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
+                gemm(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+                # dP^T runs while P^T is computed, except with soft-capping, whose tanh leaves no
+                # room for the dP^T tile in flight next to dK and dV at head dim 128
+                if cutlass.const_expr(not cfg.softcap):
+                    gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
                 if cutlass.const_expr(cfg.dq_fence_late):
-                    self.hand_over_dq(wg_idx, (m_steps * group - 1) % cfg.dq_stages)  # the last block's dQ tile
+                    if it > 0:  # the previous block's dQ tile is stored: hand it to the writer warp
+                        self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
+                warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
                 if cutlass.const_expr(cfg.dk_after_dq):
-                    warpgroup.wait_group(0)  # the last block's dK
-                    pipeline_q.consumer_release(release_state)
+                    if it > 0:  # the previous block's dK GEMM, the last reader of its stage, is done
+                        pipeline_q.consumer_release(release_state)
+                        release_state.advance()
+
+                # the masked path: tails on either side, the causal diagonal, the window edges
+                masked = (n_lo + cfg.tile_n > seqlen.seqlen_k) | (m_lo + cfg.tile_m > seqlen.seqlen_q)
+                if cutlass.const_expr(cfg.causal or cfg.local):
+                    masked = masked | (n_lo + cfg.tile_n - 1 > m_lo + offset + right)
+                if cutlass.const_expr(cfg.local):
+                    masked = masked | (n_lo < m_lo + cfg.tile_m - 1 + offset - left)
+                if masked:
+                    # a (key, query) pair of this thread is key0 + k, query0 + q with (k, q) thread
+                    # 0's coordinates; the limits below move this thread's part to the right side
+                    key0, query0 = n_lo + thr_key, m_lo + thr_query
+                    limits = (
+                        seqlen.seqlen_k - key0,  # k >= this: key past seqlen_k
+                        seqlen.seqlen_q - query0,  # q >= this: query past seqlen_q
+                        query0 + offset + right - key0,  # k - q > this: right of the window / diagonal
+                        query0 + offset - left - key0,  # k - q < this: left of the window
+                    )
+                    self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
+                else:
+                    self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
+                if cutlass.const_expr(cfg.softcap):
+                    gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+                else:
+                    rP.store(acc_S.load().to(self.dtype))
+                p_stage = cfg.ds_stages + it % cfg.p_stages if cutlass.const_expr(cfg.dkv_split) else 0
+                if cutlass.const_expr(cfg.dkv_split):
+                    cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, p_stage])
+                elif cutlass.const_expr(not cfg.dv_after_ds):
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
+                # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
+                # from being live together
+                warpgroup.wait_group(1 if cutlass.const_expr(cfg.overlap_dv and not cfg.softcap) else 0)
+
+                # dS^T = P^T (dP^T - D), with soft-capping P^T (1 - tanh^2) (dP^T - D)
+                acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
+                acc_dP_mn = acc_mn_view(acc_as_mma_sync(acc_dP))
+                for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
+                    d_row = sD_thr[t0ScS_mn[0, c][1]]
+                    for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
+                rdS.store(acc_dP.load().to(self.dtype))
+                if cutlass.const_expr(cfg.dv_after_ds):
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
+                if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq and not cfg.dkv_split):
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
+
+                # dS^T of this warpgroup's keys -> shared memory -> dQ partial
+                ds_stage = it % cfg.ds_stages
+                cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
+                cute.arch.fence_view_async_shared()  # stmatrix wrote through the generic proxy
                 if cutlass.const_expr(not cfg.dq_writer):
                     if dq_warp:
-                        cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
+                        # the previous block's reduce-add is done reading sdQ_wg before it is rewritten
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(cfg.dq_split or cfg.dq_rows):
+                    # both warpgroups' dS^T rows are in; each last read the other buffer before it
+                    # arrived here, so the next step may overwrite that one
+                    cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+                else:
+                    cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                if cutlass.const_expr(cfg.dkv_split):
+                    # P^T and dS^T of both warpgroups are in shared memory
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVsP[None, None, None, p_stage],
+                                       tdVrdOt[None, None, None, stage], it > 0)
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKsdS[None, None, None, ds_stage],
+                                       tdKrQt[None, None, None, stage], it > 0)
+                acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)),
+                                               Float32)
+                gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
+                if cutlass.const_expr(cfg.dk_after_dq or cfg.dk_behind_dq):
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
+                    warpgroup.wait_group(1)  # dQ (and dV) in; the end of every read of sdS
+                else:
+                    warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
+                    pipeline_q.consumer_release(state)
+                if cutlass.const_expr(not cfg.dk_behind_dq):
+                    state.advance()
+
+                if cutlass.const_expr(cfg.dq_writer):
+                    buf = it % cfg.dq_stages
+                    if it >= cfg.dq_stages:  # the writer warp's last reduce-add from this tile has read it
+                        cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf),
+                                          number_of_threads=128 + 32)
+                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
+                    if cutlass.const_expr(not cfg.dq_fence_late):
+                        self.hand_over_dq(wg_idx, buf)
+                else:
+                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, 0])
+                    cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
+                    cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                    if dq_warp:
+                        self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg[None, None, 0], seqlen, batch, head, m_block, wg_idx)
+                if cutlass.const_expr(cfg.dk_behind_dq):
+                    warpgroup.wait_group(0)  # dK in: the end of every read of this stage
+                    pipeline_q.consumer_release(state)
+                    state.advance()
+            if cutlass.const_expr(cfg.dq_fence_late):
+                self.hand_over_dq(wg_idx, (m_steps * group - 1) % cfg.dq_stages)  # the last block's dQ tile
+            if cutlass.const_expr(cfg.dk_after_dq):
+                warpgroup.wait_group(0)  # the last block's dK
+                pipeline_q.consumer_release(release_state)
+            if cutlass.const_expr(not cfg.dq_writer):
+                if dq_warp:
+                    cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
 
             # ---- epilogue: dK (scaled) and dV in the input dtype ----
             acc_dK.store(acc_dK.load() * softmax_scale)
@@ -742,100 +733,6 @@ class FlashBwdSm90:
         else:  # no query block sees these keys
             self.store_rows(None, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
             self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
-
-    @cute.jit
-    def split_steps(
-        self, ctidx, wg_idx, sLSE, sD, pipeline_q, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ,
-        thr_mma_SdP, thr_mma_dQ, tSrK, tSrQ, tdPrV, tdPrdO, tdVsP, tdKsdS, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
-        stsm_dS, tdSsdS, r2s_dQ, tdQsdQ, rP, rdS, acc_dK, acc_dV, t0ScS_mn, thr_key, thr_query, stat_query,
-        seqlen: SeqlenInfo, n_lo, offset, left, right, head_k, group, m_block_min, m_steps, softmax_scale_log2,
-        softcap_prescale,
-    ):
-        """The query blocks of a `dkv_split` CTA with `sdp_ahead`: block it's dK is left in
-        flight (its dQ and dV are waited for, and the dQ tile handed to the writer warp), and
-        block it + 1's S^T and dP^T are issued right behind it. After those two the WGMMA groups
-        in flight are, oldest first, dK of block it - 1 and S^T, dP^T of block it: waiting for
-        all but the newest retires dK(it - 1) and S^T(it) together (groups complete in order),
-        and then block it - 1's stage is released (block it's is the other one of the two).
-        This is the shape ptxas keeps unserialized: with more of block it - 1's GEMMs in flight,
-        or S^T(it) issued at the end of block it - 1, it serialized every WGMMA of the loop."""
-        cfg = self.cfg
-        tile_S = (cfg.tile_n, cfg.tile_m)
-        steps = m_steps * group
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-        acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
-        acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
-        acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)), Float32)
-        for it in cutlass.range(steps, unroll=1):
-            head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
-            m_lo = m_block * cfg.tile_m
-            stage = state.index
-            sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
-            sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
-            pipeline_q.consumer_wait(state)
-            gemm(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
-            gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
-            warpgroup.wait_group(1)  # block it - 1's dK and S^T(it) are done
-            if it > 0:
-                pipeline_q.consumer_release(release_state)  # block it - 1's Q and dO are read
-                release_state.advance()
-            masked = (n_lo + cfg.tile_n > seqlen.seqlen_k) | (m_lo + cfg.tile_m > seqlen.seqlen_q)
-            if cutlass.const_expr(cfg.causal or cfg.local):
-                masked = masked | (n_lo + cfg.tile_n - 1 > m_lo + offset + right)
-            if cutlass.const_expr(cfg.local):
-                masked = masked | (n_lo < m_lo + cfg.tile_m - 1 + offset - left)
-            if masked:
-                key0, query0 = n_lo + thr_key, m_lo + thr_query
-                limits = (
-                    seqlen.seqlen_k - key0,
-                    seqlen.seqlen_q - query0,
-                    query0 + offset + right - key0,
-                    query0 + offset - left - key0,
-                )
-                self.probs(acc_S, rP, sLSE_thr, None, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
-            else:
-                self.probs(acc_S, rP, sLSE_thr, None, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
-            if cutlass.const_expr(not cfg.softcap):
-                rP.store(acc_S.load().to(self.dtype))
-            p_stage = cfg.ds_stages + it % cfg.p_stages
-            ds_stage = it % cfg.ds_stages
-            cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, p_stage])
-            warpgroup.wait_group(0)  # dP^T(it) is in
-            acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
-            acc_dP_mn = acc_mn_view(acc_as_mma_sync(acc_dP))
-            for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
-                d_row = sD_thr[t0ScS_mn[0, c][1]]
-                for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                    acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
-            rdS.store(acc_dP.load().to(self.dtype))
-            cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
-            cute.arch.fence_view_async_shared()  # stmatrix wrote through the generic proxy
-            # both warpgroups' P^T and dS^T rows of block it are in; each has retired block
-            # it - 1's GEMMs, the last readers of the buffers block it + 1 writes
-            cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
-            gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
-            gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVsP[None, None, None, p_stage],
-                               tdVrdOt[None, None, None, stage], it > 0)
-            gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKsdS[None, None, None, ds_stage],
-                               tdKrQt[None, None, None, stage], it > 0)
-            # dQ and dV in (dK left in flight: the next block's S^T and dP^T queue behind it); a dQ
-            # accumulator read in the next block instead made ptxas serialize every WGMMA
-            warpgroup.wait_group(1)
-            self.dq_to_writer(r2s_dQ, acc_dQ, tdQsdQ, wg_idx, it)
-            state.advance()
-        warpgroup.wait_group(0)
-        pipeline_q.consumer_release(release_state)
-
-    @cute.jit
-    def dq_to_writer(self, r2s_dQ, acc_dQ, tdQsdQ, wg_idx, it):
-        """Block `it`'s dQ tile of this warpgroup into its shared-memory tile and on to the writer
-        warp (`dq_writer`), once the writer's reduce-add has read that tile's last use."""
-        buf = it % self.cfg.dq_stages
-        if it >= self.cfg.dq_stages:
-            cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf), number_of_threads=128 + 32)
-        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
-        self.hand_over_dq(wg_idx, buf)
 
     @cute.jit
     def hand_over_dq(self, wg_idx, buf):

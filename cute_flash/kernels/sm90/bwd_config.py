@@ -70,7 +70,6 @@ class BwdTile(NamedTuple):
     dq_rows: bool = False  # see `Sm90BwdConfig.dq_rows`
     dv_after_ds: bool = False  # see `Sm90BwdConfig.dv_after_ds`
     dkv_split: bool = False  # see `Sm90BwdConfig.dkv_split`
-    sdp_ahead: bool = False  # see `Sm90BwdConfig.sdp_ahead`
 
 
 # keyed by the padded head dim
@@ -82,7 +81,7 @@ TILES = {
                  dq_fence_late=("masked",), dk_behind_dq=True),
     # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); at 256 one
     # stage of (Q, dO): two do not fit next to K, V, P^T, dS^T and the dQ tiles
-    192: BwdTile(64, 2, dq_split=True, dq_writer=True, dkv_split=True, sdp_ahead=True),
+    192: BwdTile(64, 2, dq_split=True, dq_writer=True, dkv_split=True),
     256: BwdTile(64, 1, dq_split=True, dq_writer=True, dkv_split=True),
 }
 
@@ -199,11 +198,6 @@ class Sm90BwdConfig:
     # half of the block's queries; P^T and dS^T go to shared memory, and dV += P^T dO,
     # dK += dS^T Q and dQ = dS K read them from there (A operands in shared memory).
     dkv_split: bool = False
-    # With `dkv_split` and two (Q, dO) stages: the next query block's S^T and dP^T GEMMs issued
-    # right behind this block's dK, before it is waited for, so that the tensor cores go from one
-    # block to the next without waiting for the stage release and next-stage wait in between; a
-    # stage is released one block late (`FlashBwdSm90.split_steps`).
-    sdp_ahead: bool = False
 
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
     registers = REGISTERS
@@ -221,13 +215,9 @@ class Sm90BwdConfig:
                     raise ValueError(f"dkv_split reads P^T and dS^T from shared memory; it excludes {flag}")
             if not self.dq_split or max(self.head_dim, self.head_dim_v) not in (192, 256):
                 raise ValueError(f"dkv_split needs dq_split and head dim 192 or 256; got {self.head_dim}")
-            if self.sdp_ahead and self.num_stages < 2:
-                raise ValueError("sdp_ahead reads the next query block's stage while this one's is held: it needs 2 stages")
             if self.head_dim_v not in SPLIT_HEADDIMS:
                 # each warpgroup's half of V's columns is an MN-major operand: whole swizzle atoms
                 raise ValueError(f"dkv_split needs head dim of V in {SPLIT_HEADDIMS}; got {self.head_dim_v}")
-        elif self.sdp_ahead:
-            raise ValueError("sdp_ahead needs dkv_split")
         elif max(self.head_dim, self.head_dim_v) > 128:
             raise ValueError(f"head dim {max(self.head_dim, self.head_dim_v)} needs dkv_split")
         elif self.head_dim != self.head_dim_v:
@@ -306,8 +296,8 @@ class Sm90BwdConfig:
     def name(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
-                             "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "sdp_ahead") if getattr(self, f)]
+                             "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split")
+                 if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -349,7 +339,6 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
-    fields.setdefault("sdp_ahead", tile.sdp_ahead and fields["num_stages"] > 1)
     return Sm90BwdConfig(**fields)
 
 
