@@ -431,6 +431,34 @@ def compile_kernel(config: Sm90BwdConfig, options: str = "--gpu-arch sm_90a"):
 compile_fwd = compile_kernel
 
 
+def sweep_configs() -> list:
+    """The configurations `make_config` gives over a grid of calls: every tile head dim and the
+    unequal pairs the column-split tile takes, no mask / causal / window, softcap or not, fixed
+    or varlen (with seqused_k) sequences, in bf16; the equal head dims in fp16 too, without the
+    sequence variants. `python -m cute_flash.audit --sweep` compiles them."""
+    import itertools
+
+    pairs = [(d, d) for d in TILE_HEADDIMS] + [(192, 128), (256, 128), (128, 256), (256, 64), (64, 256),
+                                                (128, 192), (256, 192), (192, 256)]
+    masks = ({}, {"causal": True}, {"local": True})
+    seqs = ({}, {"varlen_q": True, "varlen_k": True, "seqused_k": True})
+    out = {}
+    for (d, dv), mask, softcap, seq in itertools.product(pairs, masks, (False, True), seqs):
+        config = make_config("bfloat16", d, dv, softcap=softcap, **mask, **seq)
+        out.setdefault(config.name, config)
+    for d, mask, softcap in itertools.product(TILE_HEADDIMS, masks, (False, True)):
+        config = make_config("float16", d, d, softcap=softcap, **mask)
+        out.setdefault(config.name, config)
+    return list(out.values())
+
+
+def sweep_targets(arch: str) -> list:
+    """One audit target per `sweep_configs` entry; sm_90a only."""
+    from cute_flash.audit import targets
+
+    return targets(arch, sweep_configs(), compile_kernel) if arch == "sm_90a" else []
+
+
 def audit_targets(arch: str) -> list:
     """One audit target per shipped configuration (see `cute_flash.audit`); sm_90a only."""
     from cute_flash.audit import targets
