@@ -157,12 +157,17 @@ def test_every_kernel_module_lists_its_targets_for_both_archs():
         assert all(isinstance(t, audit.AuditTarget) and t.arch == arch for _, t in targets)
 
 
-def test_sweeps_list_more_forward_configurations_than_the_shipped_sample():
+def test_sweeps_list_more_configurations_than_the_shipped_sample():
     for arch in audit.ARCHS:
         sweep = [t.name for _, t in audit.collect_targets(arch, sweep=True)]
-        shipped = {t.name for _, t in audit.collect_targets(arch) if t.name.startswith("fwd_")}
-        assert len(sweep) == len(set(sweep)) > len(shipped)
-        assert all(name.startswith("fwd_") for name in sweep)  # only the forward kernels sweep
+        for kind in ("fwd_", "bwd_sm90_"):
+            shipped = {t.name for _, t in audit.collect_targets(arch) if t.name.startswith(kind)}
+            swept = [name for name in sweep if name.startswith(kind)]
+            assert len(swept) == len(set(swept)) >= len(shipped)
+        # the forward kernels and (sm_90a) the sm_90 backward sweep
+        assert all(name.startswith("fwd_") or (arch == "sm_90a" and name.startswith("bwd_sm90_")) for name in sweep)
+        assert len([n for n in sweep if n.startswith("fwd_")]) > len(
+            {t.name for _, t in audit.collect_targets(arch) if t.name.startswith("fwd_")})
     # a module without a sweep contributes nothing to one
     assert audit.collect_targets("sm_80", ["cute_flash.kernels.common.probes"], sweep=True) == []
 
