@@ -358,8 +358,8 @@ def main(argv=None) -> int:
                         help="reuse rows cached here for unchanged sources and DSL version")
     parser.add_argument("--sweep", action="store_true",
                         help="compile the configurations make_config gives over a grid of call flags "
-                             "(the forward kernels' and the sm_90 backward's `sweep_targets`: a few "
-                             "hundred, slow) instead of "
+                             "(the forward and backward kernels' `sweep_targets`: several hundred, "
+                             "slow) instead of "
                              "the shipped sample")
     args = parser.parse_args(argv)
 

@@ -160,12 +160,13 @@ def test_every_kernel_module_lists_its_targets_for_both_archs():
 def test_sweeps_list_more_configurations_than_the_shipped_sample():
     for arch in audit.ARCHS:
         sweep = [t.name for _, t in audit.collect_targets(arch, sweep=True)]
-        for kind in ("fwd_", "bwd_sm90_"):
+        for kind in ("fwd_", "bwd_sm80_", "bwd_sm90_"):
             shipped = {t.name for _, t in audit.collect_targets(arch) if t.name.startswith(kind)}
             swept = [name for name in sweep if name.startswith(kind)]
             assert len(swept) == len(set(swept)) >= len(shipped)
-        # the forward kernels and (sm_90a) the sm_90 backward sweep
-        assert all(name.startswith("fwd_") or (arch == "sm_90a" and name.startswith("bwd_sm90_")) for name in sweep)
+        # the forward kernels and the backward main kernels (the sm_90 one for sm_90a only) sweep
+        kinds = ("fwd_", "bwd_sm80_") + (("bwd_sm90_",) if arch == "sm_90a" else ())
+        assert all(name.startswith(kinds) for name in sweep)
         assert len([n for n in sweep if n.startswith("fwd_")]) > len(
             {t.name for _, t in audit.collect_targets(arch) if t.name.startswith("fwd_")})
     # a module without a sweep contributes nothing to one

@@ -402,6 +402,34 @@ def compile_kernel(config, options: str = "--gpu-arch sm_80"):
 compile_fwd = compile_kernel
 
 
+def sweep_configs() -> list:
+    """The main-kernel configurations `make_config` gives over a grid of calls: every tile head
+    dim (and 256 on the tile of H100 / H200 shared memory), no mask / causal / window, softcap
+    or not, fixed or varlen (with seqused_k) sequences, deterministic or not, in bf16; the equal
+    head dims in fp16 too, without the sequence and deterministic variants. `python -m
+    cute_flash.audit --sweep` compiles them."""
+    import itertools
+
+    masks = ({}, {"causal": True}, {"local": True})
+    seqs = ({}, {"varlen_q": True, "varlen_k": True, "seqused_k": True})
+    dims = [(d, None) for d in TILE_HEADDIMS] + [(256, 227 * 1024)]
+    out = {}
+    for (d, smem), mask, softcap, seq, det in itertools.product(dims, masks, (False, True), seqs, (False, True)):
+        config = make_config("bfloat16", d, d, smem_limit=smem, softcap=softcap, deterministic=det, **mask, **seq)
+        out.setdefault(config.name, config)
+    for (d, smem), mask, softcap in itertools.product(dims, masks, (False, True)):
+        config = make_config("float16", d, d, smem_limit=smem, softcap=softcap, **mask)
+        out.setdefault(config.name, config)
+    return list(out.values())
+
+
+def sweep_targets(arch: str) -> list:
+    """One audit target per `sweep_configs` entry."""
+    from cute_flash.audit import targets
+
+    return targets(arch, sweep_configs(), compile_kernel)
+
+
 def audit_targets(arch: str) -> list:
     """One audit target per shipped configuration (see `cute_flash.audit`)."""
     from cute_flash.audit import targets
