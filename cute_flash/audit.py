@@ -66,6 +66,15 @@ class AuditTarget:
     compile: Callable[[str], object]  # cute.compile options string -> compiled object
 
 
+def distinct(configs) -> list:
+    """The configurations in their order, each name once: a sweep's grid of calls maps many calls
+    to one configuration."""
+    out = {}
+    for config in configs:
+        out.setdefault(config.name, config)
+    return list(out.values())
+
+
 def targets(arch: str, configs, compile_config: Callable) -> list:
     """One `AuditTarget` per kernel configuration, built by `compile_config(config, options)`."""
     return [AuditTarget(config.name, arch, partial(compile_config, config)) for config in configs]
@@ -359,8 +368,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="compile the configurations make_config gives over a grid of call flags "
                              "(the forward and backward kernels' `sweep_targets`: several hundred, "
-                             "slow) instead of "
-                             "the shipped sample")
+                             "slow) instead of the shipped sample")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")

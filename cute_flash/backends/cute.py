@@ -384,9 +384,13 @@ class _CuteBackend(Backend):
             page_table = page_table.contiguous()
         # The split kernel's configuration comes from make_config too: its tile may differ from
         # the unsplit one's (hd256 with a mask), and the splits, the kernel and the combine
-        # must all count key blocks of that tile.
-        split_config = self.config(q, k, v, None, args, split_kv=True)
-        splits = split_kv.num_splits(q, k, args, split_config, heuristic="split_kv" in self.features)
+        # must all count key blocks of that tile. A call that asks for one split, or leaves it
+        # to a heuristic this backend does not run, never splits (`split_kv.num_splits`).
+        heuristic = "split_kv" in self.features
+        splits = 1
+        if args.num_splits > 1 or (args.num_splits == 0 and heuristic):
+            split_config = self.config(q, k, v, None, args, split_kv=True)
+            splits = split_kv.num_splits(q, k, args, split_config, heuristic=heuristic)
         a = self.cache.args
         if splits == 1:
             fn, _ = self.cache.get(config, arch)

@@ -410,17 +410,17 @@ def sweep_configs() -> list:
     cute_flash.audit --sweep` compiles them."""
     import itertools
 
+    from cute_flash.audit import distinct
+
     masks = ({}, {"causal": True}, {"local": True})
     seqs = ({}, {"varlen_q": True, "varlen_k": True, "seqused_k": True})
     dims = [(d, None) for d in TILE_HEADDIMS] + [(256, 227 * 1024)]
-    out = {}
-    for (d, smem), mask, softcap, seq, det in itertools.product(dims, masks, (False, True), seqs, (False, True)):
-        config = make_config("bfloat16", d, d, smem_limit=smem, softcap=softcap, deterministic=det, **mask, **seq)
-        out.setdefault(config.name, config)
-    for (d, smem), mask, softcap in itertools.product(dims, masks, (False, True)):
-        config = make_config("float16", d, d, smem_limit=smem, softcap=softcap, **mask)
-        out.setdefault(config.name, config)
-    return list(out.values())
+    bf16 = (make_config("bfloat16", d, d, smem_limit=smem, softcap=softcap, deterministic=det, **mask, **seq)
+            for (d, smem), mask, softcap, seq, det in itertools.product(dims, masks, (False, True), seqs,
+                                                                        (False, True)))
+    fp16 = (make_config("float16", d, d, smem_limit=smem, softcap=softcap, **mask)
+            for (d, smem), mask, softcap in itertools.product(dims, masks, (False, True)))
+    return distinct(itertools.chain(bf16, fp16))
 
 
 def sweep_targets(arch: str) -> list:

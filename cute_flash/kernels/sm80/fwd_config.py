@@ -146,22 +146,13 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
         flags["has_lse"] = False
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = (SHORT_QUERY_TILES if short_queries else TILES)[max(hd, hdv)]
-    masked = flags.get("causal", False) or flags.get("local", False)
-    softcap = flags.get("softcap", False)
-    if max(hd, hdv) == 256 and ((masked and flags.get("split_kv", False)) or (softcap and page_size is not None)
-                                or (softcap and flags.get("local", False))):
-        tile = NARROW_TILES[256]
+    key = max(hd, hdv)
+    if key in NARROW_TILES and _takes_narrow_tile(flags, page_size):
+        tile = NARROW_TILES[key]
     if page_size is not None:
-        # One page-table lookup per key block where pages hold whole tiles, except where the
-        # table's tile spills with it and looks the pages up per row instead, as for smaller
-        # pages: the 128x128 tiles (hd128 8/8 B for sm_90a; hd96 with seqused_k and split-KV
-        # 28/28), hd64's with a mask (causal 136/144 B for sm_90a, 84/84 for sm_80; fp16 with a
-        # window, seqused_k and split-KV 36/32 for sm_90a), and in fp16 hd192 with a mask or with
-        # seqused_k and split-KV (8/16 for sm_90a, 8/8 for sm_80) and hd256 with a mask (8/8 for
-        # sm_80); the sweep's bf16 half compiles either way, and looks up per row too.
-        key = max(hd, hdv)
-        per_row = ((tile.tile_m, tile.tile_n) == (128, 128) or (key in (64, 256) and masked)
-                   or (key == 192 and (masked or (flags.get("seqused_k", False) and flags.get("split_kv", False)))))
+        # one page-table lookup per key block where pages hold whole tiles, except where the
+        # tile spills with it (`_looks_up_pages_per_row`)
+        per_row = _looks_up_pages_per_row(tile, key, flags)
         flags.update(paged_kv=True, page_size_pow2=page_size & (page_size - 1) == 0,
                      pages_hold_tiles=page_size % tile.tile_n == 0 and not per_row)
     return Sm80FwdConfig(
@@ -177,6 +168,31 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
         check_hdim_v=hdv != head_dim_v,
         **flags,
     )
+
+
+def _masked(flags: dict) -> bool:
+    return flags.get("causal", False) or flags.get("local", False)
+
+
+def _takes_narrow_tile(flags: dict, page_size: Optional[int]) -> bool:
+    """hd256 calls whose 64x64 tile spilled (`NARROW_TILES`): a mask with split-KV, softcap over a
+    paged cache, softcap with a window."""
+    softcap = flags.get("softcap", False)
+    return ((_masked(flags) and flags.get("split_kv", False)) or (softcap and page_size is not None)
+            or (softcap and flags.get("local", False)))
+
+
+def _looks_up_pages_per_row(tile: Tile, key: int, flags: dict) -> bool:
+    """Whether a paged call looks its pages up per row although its pages hold whole tiles, as
+    for smaller pages, because one lookup per tile spilled: the 128x128 tiles (hd128 8/8 B for
+    sm_90a; hd96 with seqused_k and split-KV 28/28), hd64's with a mask (causal 136/144 B for
+    sm_90a, 84/84 for sm_80; fp16 with a window, seqused_k and split-KV 36/32 for sm_90a), and in
+    fp16 hd192 with a mask or with seqused_k and split-KV (8/16 for sm_90a, 8/8 for sm_80) and
+    hd256 with a mask (8/8 for sm_80); the sweep's bf16 half compiles either way, and looks up
+    per row too."""
+    seqused_split = flags.get("seqused_k", False) and flags.get("split_kv", False)
+    return ((tile.tile_m, tile.tile_n) == (128, 128) or (key in (64, 256) and _masked(flags))
+            or (key == 192 and (_masked(flags) or seqused_split)))
 
 
 def shipped_configs() -> list:
@@ -260,14 +276,15 @@ def sweep_configs() -> list:
     this covers their combinations."""
     import itertools
 
-    out = {}
-    for dtype, d, short, page, mask, extra in itertools.product(
-        DTYPES, TILE_HEADDIMS, (False, True), (None, 16, 256), ({}, {"causal": True}, {"local": True}),
-        ({}, {"softcap": True}, {"seqused_k": True, "split_kv": True}),
-    ):
-        config = make_config(dtype, d, d, short_queries=short, page_size=page, **mask, **extra)
-        out.setdefault(config.name, config)
-    return list(out.values())
+    from cute_flash.audit import distinct
+
+    return distinct(
+        make_config(dtype, d, d, short_queries=short, page_size=page, **mask, **extra)
+        for dtype, d, short, page, mask, extra in itertools.product(
+            DTYPES, TILE_HEADDIMS, (False, True), (None, 16, 256), ({}, {"causal": True}, {"local": True}),
+            ({}, {"softcap": True}, {"seqused_k": True, "split_kv": True}),
+        )
+    )
 
 
 def sweep_targets(arch: str) -> list:

@@ -641,8 +641,8 @@ class FlashBwdSm90:
                     gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
                 else:
                     rP.store(acc_S.load().to(self.dtype))
-                p_stage = cfg.ds_stages + it % cfg.p_stages if cutlass.const_expr(cfg.dkv_split) else 0
                 if cutlass.const_expr(cfg.dkv_split):
+                    p_stage = cfg.ds_stages + it % cfg.p_stages
                     cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, p_stage])
                 elif cutlass.const_expr(not cfg.dv_after_ds):
                     gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)

@@ -438,18 +438,17 @@ def sweep_configs() -> list:
     sequence variants. `python -m cute_flash.audit --sweep` compiles them."""
     import itertools
 
+    from cute_flash.audit import distinct
+
     pairs = [(d, d) for d in TILE_HEADDIMS] + [(192, 128), (256, 128), (128, 256), (256, 64), (64, 256),
                                                 (128, 192), (256, 192), (192, 256)]
     masks = ({}, {"causal": True}, {"local": True})
     seqs = ({}, {"varlen_q": True, "varlen_k": True, "seqused_k": True})
-    out = {}
-    for (d, dv), mask, softcap, seq in itertools.product(pairs, masks, (False, True), seqs):
-        config = make_config("bfloat16", d, dv, softcap=softcap, **mask, **seq)
-        out.setdefault(config.name, config)
-    for d, mask, softcap in itertools.product(TILE_HEADDIMS, masks, (False, True)):
-        config = make_config("float16", d, d, softcap=softcap, **mask)
-        out.setdefault(config.name, config)
-    return list(out.values())
+    bf16 = (make_config("bfloat16", d, dv, softcap=softcap, **mask, **seq)
+            for (d, dv), mask, softcap, seq in itertools.product(pairs, masks, (False, True), seqs))
+    fp16 = (make_config("float16", d, d, softcap=softcap, **mask)
+            for d, mask, softcap in itertools.product(TILE_HEADDIMS, masks, (False, True)))
+    return distinct(itertools.chain(bf16, fp16))
 
 
 def sweep_targets(arch: str) -> list:

@@ -273,19 +273,22 @@ def sweep_configs() -> list:
     for one dtype): the shipped sample covers each path once, this covers their combinations."""
     import itertools
 
-    out = {}
-    for dtype, d, mask, softcap, seqused, varlen in itertools.product(
-        DTYPES, TILE_HEADDIMS, ({}, {"causal": True}, {"local": True}), (False, True), (False, True), (False, True),
-    ):
-        config = make_config(dtype, d, d, softcap=softcap, seqused_k=seqused, varlen_q=varlen,
-                             varlen_k=varlen, **mask)
-        out.setdefault(config.name, config)
-    for dtype, (d, dv), causal in itertools.product(
-        DTYPES, ((128, 64), (64, 128), (192, 128), (256, 128), (128, 256)), (False, True),
-    ):
-        config = make_config(dtype, d, dv, causal=causal)
-        out.setdefault(config.name, config)
-    return list(out.values())
+    from cute_flash.audit import distinct
+
+    equal = (
+        make_config(dtype, d, d, softcap=softcap, seqused_k=seqused, varlen_q=varlen, varlen_k=varlen, **mask)
+        for dtype, d, mask, softcap, seqused, varlen in itertools.product(
+            DTYPES, TILE_HEADDIMS, ({}, {"causal": True}, {"local": True}), (False, True), (False, True),
+            (False, True),
+        )
+    )
+    unequal = (
+        make_config(dtype, d, dv, causal=causal)
+        for dtype, (d, dv), causal in itertools.product(
+            DTYPES, ((128, 64), (64, 128), (192, 128), (256, 128), (128, 256)), (False, True),
+        )
+    )
+    return distinct(itertools.chain(equal, unequal))
 
 
 def sweep_targets(arch: str) -> list:
