@@ -334,12 +334,21 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dv_after_ds", tile.dv_after_ds)
     flags.setdefault("dkv_split", tile.dkv_split)
     flags.setdefault("lpt", flags.get("causal", False))
-    flags.setdefault("dkv_staged", True)
+    flags.setdefault("dkv_staged", not (wide and _spills_staged_wide(flags)))
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
     return Sm90BwdConfig(**fields)
+
+
+def _spills_staged_wide(flags: dict) -> bool:
+    """The 128-row tile's calls whose staged dK / dV epilogue spills (4/8 B for sm_90a, both
+    dtypes): varlen queries and keys without a mask. Varlen queries or keys alone, seqused_k, or
+    a causal or window mask compile clean with it; these calls store dK and dV from the
+    accumulators' layout instead (`dkv_staged` off), which compiles clean."""
+    masked = flags.get("causal", False) or flags.get("local", False)
+    return flags.get("varlen_q", False) and flags.get("varlen_k", False) and not masked
 
 
 def _unchecked(fields: dict) -> Sm90BwdConfig:
