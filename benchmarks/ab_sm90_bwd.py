@@ -138,6 +138,24 @@ def check(run, d: int, causal: bool, attn_args, dtype) -> str | None:
     return None
 
 
+def _compile_variant(config) -> str:
+    from cute_flash.backends.cute_bwd import sm90_kernel_cache
+
+    return sm90_kernel_cache().get(config, "sm_90a")[1]
+
+
+def warm(cases, jobs: int) -> None:
+    """Every variant's main kernel compiled into the disk cache by `jobs` processes at once, so
+    that the timing loop (which compiles one at a time) only loads them."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    configs = [config for d, causal in cases for _, config in variants(d, causal)]
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        sources = list(pool.map(_compile_variant, configs))
+    print(f"warm-up: {len(configs)} variants ({', '.join(sorted(set(sources)))})", flush=True)
+
+
 def on_gpu(cases, opts) -> None:
     import torch
     from triton.testing import do_bench
@@ -196,6 +214,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ab_case_arguments(p, HEAD_DIMS, 4096, "registers, spills and serialization only (no GPU)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=0, help="compile the variants first in this many processes")
     opts = p.parse_args(argv)
     cases = ab_cases(p, opts, HEAD_DIMS)
     if opts.rounds < 1:
@@ -208,6 +227,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("needs an sm_90 GPU (H100/H200); --compile-only runs anywhere", file=sys.stderr)
         return 2
+    if opts.jobs > 0:
+        try:
+            warm(cases, opts.jobs)
+        except Exception as exc:  # the timing loop compiles what is missing
+            print(f"warm-up failed ({type(exc).__name__}: {exc}); compiling in turn", flush=True)
     on_gpu(cases, opts)
     return 0
 

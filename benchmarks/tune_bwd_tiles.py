@@ -3,9 +3,10 @@
     python benchmarks/tune_bwd_tiles.py --head-dim 256 --compile-only          # CPU: registers, spills
     python benchmarks/tune_bwd_tiles.py --head-dim 256 --candidates 32x128w8q2  # GPU: check, then time
 
-A candidate is `MxNwWqQ`: M query rows per step, N keys per CTA, W warps (N = 16 W) and Q warps
-along the rows of the dQ product, e.g. `32x128w8q2`. It replaces the tile of the head dim in
-`bwd_config.TILES` (keeping its column tiles; `LARGE_SMEM_TILES`, the tile taken where a GPU has
+A candidate is `MxNwWqQ[cC]`: M query rows per step, N keys per CTA, W warps (N = 16 W), Q warps
+along the rows of the dQ product and C CTAs per key block over the columns (default: the shipped
+tile's), e.g. `32x128w8q2` or `32x64w4q2c4`. It replaces the tile of the head dim in
+`bwd_config.TILES` (`LARGE_SMEM_TILES`, the tile taken where a GPU has
 the shared memory for it, is set aside meanwhile), so it runs through the backend's own host path
 (`cute_bwd.backward`: preprocess, main kernel, postprocess) and differs from the shipped kernel in
 the tile alone. The shipped tile is always measured too, as the baseline.
@@ -29,16 +30,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)q(\d+)$")
+_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)q(\d+)(?:c(\d+))?$")
 
 
 def parse_candidate(spec: str, shipped):
-    """`32x128w8q2` -> the shipped tile with those fields."""
+    """`32x128w8q2` (or `32x64w4q2c4`) -> the shipped tile with those fields."""
     m = _SPEC.match(spec.strip())
     if not m:
-        raise ValueError(f"candidate {spec!r} is not MxNwWqQ (e.g. 32x128w8q2)")
-    tile_m, tile_n, warps, dq_warps_m = (int(g) for g in m.groups())
-    return shipped._replace(tile_m=tile_m, tile_n=tile_n, num_warps=warps, dq_warps_m=dq_warps_m)
+        raise ValueError(f"candidate {spec!r} is not MxNwWqQ[cC] (e.g. 32x128w8q2)")
+    tile_m, tile_n, warps, dq_warps_m = (int(g) for g in m.groups()[:4])
+    col_tiles = int(m.group(5)) if m.group(5) else shipped.col_tiles
+    return shipped._replace(tile_m=tile_m, tile_n=tile_n, num_warps=warps, dq_warps_m=dq_warps_m,
+                            col_tiles=col_tiles)
 
 
 def configs(args) -> list:
@@ -51,9 +54,9 @@ def configs(args) -> list:
     for label, spec in [("shipped", None)] + [(c, c) for c in args.candidates]:
         try:
             tile = shipped if spec is None else parse_candidate(spec, shipped)
-            out.append((label, tile, with_tile(d, tile, lambda: bc.make_config(args.dtype, args.head_dim,
-                                                                                args.head_dim, causal=args.causal)),
-                        None))
+            out.append((label, tile, with_tile(d, tile, lambda: bc.make_config(
+                args.dtype, args.head_dim, args.head_dim, causal=args.causal, softcap=args.softcap > 0,
+                deterministic=args.deterministic)), None))
         except (ValueError, TypeError, NotImplementedError) as exc:
             out.append((label, None, None, str(exc)))
     return out
@@ -102,7 +105,7 @@ def on_gpu(args, rows) -> None:
     def problem(b, sq, sk, h, seed):
         g = torch.Generator(device="cuda").manual_seed(seed)
         q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda", generator=g) for s in (sq, sk, sk))
-        a = AttnArgs(softmax_scale=d ** -0.5, **mask)
+        a = AttnArgs(softmax_scale=d ** -0.5, softcap=args.softcap, **mask)
         out, lse = reference_attention(q, k, v, a, compute_dtype=torch.float32)
         return q, k, v, out.to(dtype), lse.float(), torch.randn(out.shape, dtype=dtype, device="cuda", generator=g), a
 
@@ -112,12 +115,13 @@ def on_gpu(args, rows) -> None:
     refs_torch = reference_attention_backward(dout, q, k, v, out, lse, None, a, compute_dtype=dtype)
     big = problem(args.batch, args.seqlen, args.seqlen, args.heads, 1)
     flops = 2.5 * 4 * args.batch * args.heads * args.seqlen ** 2 * d / (2 if args.causal else 1)
-    print(f"sm_80 backward hd{d} {args.dtype} {'causal' if args.causal else 'non-causal'}: check on 2 x 333/517 "
+    extra = (f" softcap {args.softcap}" if args.softcap else "") + (" deterministic" if args.deterministic else "")
+    print(f"sm_80 backward hd{d} {args.dtype} {'causal' if args.causal else 'non-causal'}{extra}: check on 2 x 333/517 "
           f"x 2 heads, time on {args.batch} x {args.seqlen} x {args.heads} heads")
 
     def run(case, grads):
         q, k, v, out, lse, dout, a = case
-        backend.bwd(dout, q, k, v, out, lse, None, *grads, a, False)
+        backend.bwd(dout, q, k, v, out, lse, None, *grads, a, args.deterministic)
 
     for label, tile, config, why in rows:
         if config is None:
@@ -151,6 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=256)
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--softcap", type=float, default=0.0, help="soft-capping value (0: none)")
+    p.add_argument("--deterministic", action="store_true")
     return tile_tuning_main(p, argv, 4096, lambda args: ["32x128w8q2", "64x64w4q4"], configs, compile_only, on_gpu)
 
 
