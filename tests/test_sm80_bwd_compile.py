@@ -295,3 +295,27 @@ def test_main_kernel_compiles_without_spills_using_ldgsts_ldsm_hmma(arch, config
 @pytest.mark.parametrize("arch,config", ROW_KERNELS_COMPILED, ids=[f"{a}-{c.name}" for a, c in ROW_KERNELS_COMPILED])
 def test_pre_and_post_kernels_compile_without_spills(arch, config):
     _audit(arch, config)
+
+
+H200_SMEM = 227 * 1024
+
+
+@pytest.mark.parametrize("dtype,smem,flags,softcap_tile", [
+    ("bfloat16", None, {}, False),
+    ("bfloat16", None, {"deterministic": True}, True),  # the 4-warp tile spilled
+    ("bfloat16", None, {"causal": True, "deterministic": True}, True),
+    ("float16", None, {}, True),
+    ("float16", None, {"local": True}, True),
+    ("bfloat16", H200_SMEM, {}, False),
+    ("bfloat16", H200_SMEM, {"deterministic": True}, True),  # the 8-warp tile spilled
+    ("bfloat16", H200_SMEM, {"causal": True, "deterministic": True}, True),
+    ("float16", H200_SMEM, {"causal": True}, False),
+])
+def test_head_dim_256_with_softcap_takes_the_16_row_tile_where_the_others_spilled(dtype, smem, flags, softcap_tile):
+    config = bc.make_config(dtype, 256, 256, smem_limit=smem, softcap=True, **flags)
+    tile = (config.tile_m, config.tile_n, config.num_warps, config.dq_warps_m, config.col_tiles)
+    assert (tile == tuple(bc.SOFTCAP_TILE_256)) == softcap_tile, config.name
+    without = bc.make_config(dtype, 256, 256, smem_limit=smem, **flags)
+    assert without.tile_m == 32  # never without soft-capping
+    # unequal head dims keep their tile
+    assert bc.make_config(dtype, 256, 128, softcap=True, **flags).tile_m == 32

@@ -183,6 +183,37 @@ def test_bwd_hd256_on_the_tile_of_a100_shared_memory(monkeypatch, causal, seqlen
     _check(q, k, v, args)
 
 
+@pytest.mark.parametrize("dtype,smem,mask,deterministic", [
+    (torch.float16, 163 * 1024, {}, False),  # the A100 tile's fp16 soft-capped calls
+    (torch.bfloat16, 163 * 1024, dict(window_left=60, window_right=20), True),
+    (torch.bfloat16, None, dict(causal=True, window_right=0), True),  # the H100 / H200 tile's
+])
+def test_bwd_hd256_softcap_on_the_16_row_tile(monkeypatch, dtype, smem, mask, deterministic):
+    """Head dim 256 with soft-capping takes 16-row query blocks where the 32-row tiles spill
+    (`SOFTCAP_TILE_256`); deterministic runs agree bit for bit."""
+    from cute_flash.backends import cute_bwd
+
+    if smem is not None:
+        monkeypatch.setattr(cute_bwd, "_smem_optin", lambda device: smem)
+    torch.manual_seed(7)
+    q = torch.randn(2, 239, 3, 256, dtype=dtype, device="cuda") * 3
+    k, v = nan_framed_kv(2, 517, 3, 256, 256, dtype)
+    args = _args(256, softcap=15.0, **mask)
+    assert cute_bwd.configs(q, k, v, None, args, deterministic)[1].tile_m == 16
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(dtype), ref_lse.float()
+    dout = torch.randn_like(out)
+    runs = []
+    for _ in range(3 if deterministic else 1):
+        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+        _backend().bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, deterministic)
+        torch.cuda.synchronize()
+        runs.append((dq, dk, dv))
+    check_backward(runs[0], dout, None, q, k, v, out, lse, args)
+    for again in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], again)), "deterministic backward differs between runs"
+
+
 @pytest.mark.parametrize("d", [128, 256])
 def test_bwd_offsets_beyond_4gib(d):
     """K, V, dK and dV of more than 2^31 elements: batch 1 starts 4 GiB into each buffer (at head
