@@ -256,6 +256,13 @@ def kernel_flags(args: AttnArgs) -> dict:
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _make_config(config_module: str, *args, **flags):
+    """`make_config` of a kernel package, once per distinct call key (a decode step builds its
+    split and unsplit configurations this way without the dataclass checks on every call)."""
+    return importlib.import_module(config_module).make_config(*args, **flags)
+
+
 def _capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -329,8 +336,8 @@ class _CuteBackend(Backend):
     def config(self, q, k, v, lse, args: AttnArgs, **flags):
         """The frozen kernel configuration that runs this (validated) call; `flags`: more
         `make_config` flags (`split_kv=True` for the kernel that writes split-KV partials)."""
-        make_config = importlib.import_module(self.config_module).make_config
-        return make_config(
+        return _make_config(
+            self.config_module,
             _DTYPE_NAMES[q.dtype],
             q.shape[-1],
             v.shape[-1],
