@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 HEAD_DIMS = (64, 96, 128)
 
 
-def variants(head_dim: int, causal: bool) -> list:
-    """(label, main kernel config) of the backward variants of one case, the shipped one first."""
+def variants(head_dim: int, causal: bool, only=None) -> list:
+    """(label, main kernel config) of the backward variants of one case, the shipped one first;
+    `only`: the labels to keep (all where None)."""
     from cute_flash.kernels.sm90.bwd_config import make_config
 
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
@@ -77,6 +78,8 @@ def variants(head_dim: int, causal: bool) -> list:
                                   "dv_after_ds": False, "overlap_dv": True, "dk_behind_dq": False,
                                   "dk_after_dq": True}))
     flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))
+    if only is not None:
+        flips = [(label, change) for label, change in flips if label in only]
     out, seen = [("shipped", shipped)], {shipped}
     for label, change in flips:
         try:
@@ -89,7 +92,7 @@ def variants(head_dim: int, causal: bool) -> list:
     return out
 
 
-def compile_only(cases) -> None:
+def compile_only(cases, only=None) -> None:
     import tempfile
 
     from cute_flash.audit import AuditTarget, audit_target
@@ -97,7 +100,7 @@ def compile_only(cases) -> None:
 
     for d, causal in cases:
         cells = []
-        for label, config in variants(d, causal):
+        for label, config in variants(d, causal, only):
             with tempfile.TemporaryDirectory() as keep:
                 target = AuditTarget(config.name, "sm_90a", lambda opts, c=config: compile_kernel(c, opts))
                 row = audit_target(target, keep_dir=Path(keep))
@@ -144,13 +147,13 @@ def _compile_variant(config) -> str:
     return sm90_kernel_cache().get(config, "sm_90a")[1]
 
 
-def warm(cases, jobs: int) -> None:
+def warm(cases, jobs: int, only=None) -> None:
     """Every variant's main kernel compiled into the disk cache by `jobs` processes at once, so
     that the timing loop (which compiles one at a time) only loads them."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    configs = [config for d, causal in cases for _, config in variants(d, causal)]
+    configs = [config for d, causal in cases for _, config in variants(d, causal, only)]
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         sources = list(pool.map(_compile_variant, configs))
     print(f"warm-up: {len(configs)} variants ({', '.join(sorted(set(sources)))})", flush=True)
@@ -182,7 +185,7 @@ def on_gpu(cases, opts) -> None:
         dout = torch.randn(out.shape, dtype=dtype, device="cuda", generator=gen)
         grads = [torch.empty_like(t) for t in (q, k, v)]
         runs, cells = {}, {}
-        for label, config in variants(d, causal):
+        for label, config in variants(d, causal, opts.variants):
 
             def run(dout_, q_, k_, v_, out_, lse_, g_, a_, config=config):
                 pre, _, post = sm90_configs(q_, k_, v_, None, a_)
@@ -215,12 +218,14 @@ def main(argv=None) -> int:
     add_ab_case_arguments(p, HEAD_DIMS, 4096, "registers, spills and serialization only (no GPU)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--jobs", type=int, default=0, help="compile the variants first in this many processes")
+    p.add_argument("--variants", type=lambda x: [v.strip() for v in x.split(",")], default=None,
+                   help="comma list of variant labels to run besides the shipped one (default: all)")
     opts = p.parse_args(argv)
     cases = ab_cases(p, opts, HEAD_DIMS)
     if opts.rounds < 1:
         p.error("--rounds must be at least 1")
     if opts.compile_only:
-        compile_only(cases)
+        compile_only(cases, opts.variants)
         return 0
     import torch
 
@@ -229,7 +234,7 @@ def main(argv=None) -> int:
         return 2
     if opts.jobs > 0:
         try:
-            warm(cases, opts.jobs)
+            warm(cases, opts.jobs, opts.variants)
         except Exception as exc:  # the timing loop compiles what is missing
             print(f"warm-up failed ({type(exc).__name__}: {exc}); compiling in turn", flush=True)
     on_gpu(cases, opts)

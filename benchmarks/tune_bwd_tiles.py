@@ -64,17 +64,22 @@ def configs(args) -> list:
 
 def with_tile(d: int, tile, fn):
     """fn() with `bwd_config.TILES[d]` set to `tile` and no `LARGE_SMEM_TILES` entry for `d` (so
-    that the tile runs on any GPU it fits), the backend's config cache cleared."""
+    that the tile runs on any GPU it fits), the backend's config cache cleared. At head dim 256
+    the soft-capped calls' tile (`SOFTCAP_TILE_256`) is `tile` too, so that a candidate is what
+    runs for those calls as well."""
     from cute_flash.backends import cute_bwd
     from cute_flash.kernels.sm80 import bwd_config as bc
 
-    saved, saved_large = bc.TILES[d], bc.LARGE_SMEM_TILES.pop(d, None)
+    saved, saved_large, saved_softcap = bc.TILES[d], bc.LARGE_SMEM_TILES.pop(d, None), bc.SOFTCAP_TILE_256
     bc.TILES[d] = tile
+    if d == 256:
+        bc.SOFTCAP_TILE_256 = tile
     cute_bwd._configs.cache_clear()
     try:
         return fn()
     finally:
         bc.TILES[d] = saved
+        bc.SOFTCAP_TILE_256 = saved_softcap
         if saved_large is not None:
             bc.LARGE_SMEM_TILES[d] = saved_large
         cute_bwd._configs.cache_clear()

@@ -391,7 +391,9 @@ def test_bwd_tile_candidates_replace_only_the_tile_and_restore_the_table():
         tile_n=128, num_warps=8)
     with pytest.raises(ValueError, match="MxNwWqQ"):
         tune_bwd_tiles.parse_candidate("32x128w8", shipped_tile)
-    args = argparse.Namespace(dtype="bfloat16", head_dim=256, causal=True, candidates=["32x128w8q2", "32x96w8q2"])
+    assert tune_bwd_tiles.parse_candidate("32x64w4q2c4", shipped_tile) == shipped_tile._replace(col_tiles=4)
+    args = argparse.Namespace(dtype="bfloat16", head_dim=256, causal=True, softcap=0.0, deterministic=False,
+                              candidates=["32x128w8q2", "32x96w8q2"])
     (label, _, shipped, _), (_, tile, tuned, _), (_, _, bad, why) = tune_bwd_tiles.configs(args)
     assert label == "shipped" and shipped == bc.make_config("bfloat16", 256, 256, causal=True)
     assert (tuned.tile_n, tuned.num_warps, tuned.col_tiles, tuned.causal, tuned.check_hdim) == (128, 8, 2, True, False)
@@ -404,6 +406,12 @@ def test_bwd_tile_candidates_replace_only_the_tile_and_restore_the_table():
     inside = tune_bwd_tiles.with_tile(256, tile, lambda: call_configs(q, q, q, None, AttnArgs(0.1))[1])
     assert inside.tile_n == 128 and bc.TILES[256] == shipped_tile
     assert call_configs(q, q, q, None, AttnArgs(0.1))[1].tile_n == shipped_tile.tile_n
+    # soft-capped deterministic calls time the candidate too, not the tile their rule picks
+    args = argparse.Namespace(dtype="bfloat16", head_dim=256, causal=True, softcap=50.0, deterministic=True,
+                              candidates=["32x64w4q2c4"])
+    (_, _, shipped, _), (_, _, tuned, _) = tune_bwd_tiles.configs(args)
+    assert shipped.tile_m == shipped_tile.tile_m and shipped.softcap and shipped.deterministic
+    assert (tuned.tile_m, tuned.col_tiles) == (32, 4) and bc.SOFTCAP_TILE_256.tile_m == 16
 
 
 def replace_tile(config, like):

@@ -269,7 +269,7 @@ def _softcap_spills(tile, dtype: str, flags: dict) -> bool:
     if not flags.get("softcap", False):
         return False
     deterministic = flags.get("deterministic", False)
-    if tile == LARGE_SMEM_TILES[256]:
+    if tile == LARGE_SMEM_TILES.get(256):
         return deterministic
     return deterministic or dtype == "float16"
 
