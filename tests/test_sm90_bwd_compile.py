@@ -186,19 +186,18 @@ def test_sm90_bwd_dq_split_is_the_hd64_and_hd128_default_and_needs_one_of_them()
     assert per_wg.smem_bytes - split.smem_bytes == 4 * 2 * 64 * 64 - 2 * 128 * 64
 
 
-def test_sm90_bwd_wide_tile_stores_dkv_unstaged_where_staging_spilled():
-    # head dim 64's 128-row tile with varlen queries and keys and no mask: the staged epilogue
-    # spilled 4/8 B for sm_90a (the sweep), the unstaged one compiles clean
+def test_sm90_bwd_varlen_calls_without_a_mask_take_the_64_row_tile_where_the_128_row_one_spilled():
+    # head dim 64's 128-row tile with varlen queries and keys and no mask spilled 4/8 B for sm_90a
+    # (the sweep), its dK / dV staged or not; the 64-row tile compiles clean there
     for dtype in ("bfloat16", "float16"):
         for seqused in (False, True):
-            assert not bc.make_config(dtype, 64, 64, varlen_q=True, varlen_k=True, seqused_k=seqused).dkv_staged
+            config = bc.make_config(dtype, 64, 64, varlen_q=True, varlen_k=True, seqused_k=seqused)
+            assert config.tile_m == 64 and config.dq_split and config.dkv_staged
     for flags in ({}, {"varlen_q": True}, {"varlen_k": True, "seqused_k": True},
                   {"varlen_q": True, "varlen_k": True, "causal": True},
-                  {"varlen_q": True, "varlen_k": True, "local": True},
-                  {"varlen_q": True, "varlen_k": True, "softcap": True}):  # the 64-row tile
-        assert bc.make_config("bfloat16", 64, 64, **flags).dkv_staged, flags
-    assert bc.make_config("bfloat16", 128, 128, varlen_q=True, varlen_k=True).dkv_staged
-    assert not bc.make_config("bfloat16", 128, 128, dkv_staged=False).dkv_staged  # asked for
+                  {"varlen_q": True, "varlen_k": True, "local": True}):
+        assert bc.make_config("bfloat16", 64, 64, **flags).tile_m == 128, flags
+    assert bc.make_config("bfloat16", 128, 128, varlen_q=True, varlen_k=True).tile_m == 64
 
 
 def test_sm90_bwd_causal_and_local_exclude_each_other():

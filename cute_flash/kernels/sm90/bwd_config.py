@@ -319,7 +319,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
             )
         if hd not in SPLIT_HEADDIMS:
             raise NotImplementedError(f"the sm_90 backward kernel does not take head dim {head_dim} with {head_dim_v}")
-    wide = hd in WIDE_TILES and hd == hdv and not flags.get("softcap", False) and flags.get("dq_writer", True)
+    wide = (hd in WIDE_TILES and hd == hdv and not flags.get("softcap", False) and flags.get("dq_writer", True)
+            and not _spills_wide(flags))
     tile = WIDE_TILES[hd] if wide else TILES[max(hd, hdv)]
     flags.setdefault("dq_split", tile.dq_split)
     flags.setdefault("dq_writer", tile.dq_writer)
@@ -334,7 +335,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dv_after_ds", tile.dv_after_ds)
     flags.setdefault("dkv_split", tile.dkv_split)
     flags.setdefault("lpt", flags.get("causal", False))
-    flags.setdefault("dkv_staged", not (wide and _spills_staged_wide(flags)))
+    flags.setdefault("dkv_staged", True)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
@@ -342,11 +343,11 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     return Sm90BwdConfig(**fields)
 
 
-def _spills_staged_wide(flags: dict) -> bool:
-    """The 128-row tile's calls whose staged dK / dV epilogue spills (4/8 B for sm_90a, both
-    dtypes): varlen queries and keys without a mask. Varlen queries or keys alone, seqused_k, or
-    a causal or window mask compile clean with it; these calls store dK and dV from the
-    accumulators' layout instead (`dkv_staged` off), which compiles clean."""
+def _spills_wide(flags: dict) -> bool:
+    """The calls the 128-row tile spills for (4/8 B for sm_90a, both dtypes, whether dK / dV are
+    staged or not, with or without the late dQ fence): varlen queries and keys without a mask.
+    Varlen queries or keys alone, seqused_k alone, or a causal or window mask compile clean on
+    it; these calls take the 64-row tile, which compiles clean for them."""
     masked = flags.get("causal", False) or flags.get("local", False)
     return flags.get("varlen_q", False) and flags.get("varlen_k", False) and not masked
 
