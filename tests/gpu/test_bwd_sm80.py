@@ -59,6 +59,23 @@ def _check(q, k, v, args: AttnArgs, with_dlse=False, backend=None):
     return dq, dk, dv
 
 
+def _check_runs(q, k, v, args: AttnArgs, deterministic: bool, runs: int):
+    """`runs` backward calls (NaN-poisoned gradients each time): the first against the oracle,
+    and every other one bit-identical to it."""
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = torch.randn_like(out)
+    grads = []
+    for _ in range(runs):
+        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+        _backend().bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, deterministic)
+        torch.cuda.synchronize()
+        grads.append((dq, dk, dv))
+    check_backward(grads[0], dout, None, q, k, v, out, lse, args)
+    for again in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], again)), "deterministic backward differs between runs"
+
+
 def _args(d, **kw):
     return AttnArgs(softmax_scale=kw.pop("softmax_scale", 1.0 / math.sqrt(d)), **kw)
 
@@ -200,18 +217,7 @@ def test_bwd_hd256_softcap_on_the_16_row_tile(monkeypatch, dtype, smem, mask, de
     k, v = nan_framed_kv(2, 517, 3, 256, 256, dtype)
     args = _args(256, softcap=15.0, **mask)
     assert cute_bwd.configs(q, k, v, None, args, deterministic)[1].tile_m == 16
-    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
-    out, lse = ref_out.to(dtype), ref_lse.float()
-    dout = torch.randn_like(out)
-    runs = []
-    for _ in range(3 if deterministic else 1):
-        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-        _backend().bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, deterministic)
-        torch.cuda.synchronize()
-        runs.append((dq, dk, dv))
-    check_backward(runs[0], dout, None, q, k, v, out, lse, args)
-    for again in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(runs[0], again)), "deterministic backward differs between runs"
+    _check_runs(q, k, v, args, deterministic, 3 if deterministic else 1)
 
 
 @pytest.mark.parametrize("d", [128, 256])
@@ -265,19 +271,7 @@ def test_bwd_deterministic_is_the_oracle_and_the_same_every_run(case):
     torch.manual_seed(41)
     q = torch.randn(2, c["seqlen_q"], c["nheads"], c["d"], dtype=torch.bfloat16, device="cuda")
     k, v = nan_framed_kv(2, c["seqlen_k"], c["nheads_k"], c["d"], c["d"], torch.bfloat16)
-    args = _args(c["d"], **c["mask"])
-    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
-    out, lse = ref_out.to(q.dtype), ref_lse.float()
-    dout = torch.randn_like(out)
-    runs = []
-    for _ in range(10):
-        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-        _backend().bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, True)
-        torch.cuda.synchronize()
-        runs.append((dq, dk, dv))
-    check_backward(runs[0], dout, None, q, k, v, out, lse, args)
-    for again in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(runs[0], again)), "deterministic backward differs between runs"
+    _check_runs(q, k, v, _args(c["d"], **c["mask"]), True, 10)
 
 
 @pytest.mark.parametrize("d", [128, 192, 256])
