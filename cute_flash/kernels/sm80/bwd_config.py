@@ -87,10 +87,11 @@ LARGE_SMEM_TILES = {
 # score-sized tile): 16-row query blocks, the dQ MMA on one warp row. On the 4-warp tile that is
 # deterministic or fp16 calls (4-28 B for sm_80 and sm_90a), on the 8-warp one deterministic
 # calls (8-20 B for sm_80; causal 36/32 B for sm_90a). This tile compiles clean for both archs
-# with every mask, varlen and both dtypes. On an H200 (2 x 4096 x 16 heads, softcap 50, the sm_80 kernels' bwd,
-# `benchmarks/tune_bwd_tiles.py`): bf16 causal deterministic 13.64 ms against 11.53 (the 4-warp
-# tile) and 10.68 (the 8-warp one, spilling); fp16 12.02 against 10.99. 32x64 with 4 column tiles
-# also compiles clean but recomputes S^T and dP^T twice as often: 15.09 and 15.44 ms.
+# with every mask, varlen and both dtypes. On an H200 (2 x 4096 x 16 heads, softcap 50, the
+# sm_80 kernels' bwd, `benchmarks/tune_bwd_tiles.py`): bf16 causal deterministic 13.64 ms
+# against 11.53 (the 4-warp tile) and 10.68 (the 8-warp one, spilling); fp16 12.02 against
+# 10.99. 32x64 with 4 column tiles also compiles clean but recomputes S^T and dP^T twice as
+# often: 15.09 and 15.44 ms.
 SOFTCAP_TILE_256 = BwdTile(16, 64, 4, 1, col_tiles=2)
 
 
@@ -256,8 +257,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: Optional
                                  f"{head_dim_v} (V): {refusal}")
     large = LARGE_SMEM_TILES.get(max(hd, hdv))
     if smem_limit is not None and large is not None and not _tile_refusal(large, hd, hdv):
-        wide = _config_for_tile(large, dtype, head_dim, head_dim_v, hd, hdv, flags)
-        if wide.smem_bytes <= smem_limit:
+        if _config_for_tile(large, dtype, head_dim, head_dim_v, hd, hdv, flags).smem_bytes <= smem_limit:
             tile = large
     if hd == hdv == 256 and _softcap_spills(tile, dtype, flags):
         tile = SOFTCAP_TILE_256
