@@ -428,8 +428,9 @@ def sweep_configs() -> list:
     """The main-kernel configurations `make_config` gives over a grid of calls: every tile head
     dim (and 256 on the tile of H100 / H200 shared memory), no mask / causal / window, softcap
     or not, fixed or varlen (with seqused_k) sequences, deterministic or not, in bf16; the equal
-    head dims in fp16 too, without the sequence and deterministic variants. `python -m
-    cute_flash.audit --sweep` compiles them."""
+    head dims in fp16 too, without the sequence and deterministic variants; and unequal pairs
+    with a head dim above 128 soft-capped and deterministic (no mask or causal, both dtypes).
+    `python -m cute_flash.audit --sweep` compiles them."""
     import itertools
 
     from cute_flash.audit import distinct
@@ -442,7 +443,10 @@ def sweep_configs() -> list:
                                                                         (False, True)))
     fp16 = (make_config("float16", d, d, smem_limit=smem, softcap=softcap, **mask)
             for (d, smem), mask, softcap in itertools.product(dims, masks, (False, True)))
-    return distinct(itertools.chain(bf16, fp16))
+    pairs = [(256, 192), (192, 256), (256, 128), (128, 256), (256, 64), (64, 256), (192, 128), (128, 192)]
+    unequal = (make_config(dtype, d, dv, smem_limit=smem, softcap=True, deterministic=True, **mask)
+               for (d, dv), dtype, smem, mask in itertools.product(pairs, DTYPES, (None, 227 * 1024), masks[:2]))
+    return distinct(itertools.chain(bf16, fp16, unequal))
 
 
 def sweep_targets(arch: str) -> list:
