@@ -10,14 +10,16 @@ Each of the two consumer warpgroups owns 64 of the CTA's `tile_n` = 128 keys and
 and dV in fp32 registers for the whole kernel: 64 * (d + dv) / 128 registers per thread, 128 at
 head dim 128. On top of that, per query block of `tile_m` rows: the S^T and dP^T tiles
 (64 * tile_m / 128 each), P^T and dS^T in 16 bits (half that each) and the warpgroup's dQ
-tile (tile_m * `dq_cols` / 128: all d columns, or half of them with `dq_split`). With 240 registers per consumer thread (`setmaxnreg`) that leaves
-room for 64-row query blocks at every head dim up to 128; every entry compiles with zero spills
-for sm_90a with all feature flags on. At head dims 192 and 256 that would be 192 and 256
-registers for dK and dV alone, so there (`dkv_split`) the CTA takes 64 keys, both warpgroups
-share them and each keeps half of the columns of dK, dV and dQ (64 + 64 + 64 registers at 256),
-computing S^T and dP^T for half of the query block's rows; P^T and dS^T go through shared memory
-to the dK / dV / dQ GEMMs of both. A head dim of V that differs from Q's is refused by name
-(`UnsupportedHeadDim`), as are head dims above 256.
+tile (tile_m * `dq_cols` / 128: all d columns, or half of them with `dq_split`). With 240
+registers per consumer thread (`setmaxnreg`) that leaves room for 64-row query blocks at every
+head dim up to 128; every entry compiles with zero spills for sm_90a with all feature flags on.
+At head dims 192 and 256 that would be 192 and 256 registers for dK and dV alone, so there
+(`dkv_split`) the CTA takes 64 keys, both warpgroups share them and each keeps half of the
+columns of dK, dV and dQ (64 + 64 + 64 registers at 256), computing S^T and dP^T for half of the
+query block's rows; P^T and dS^T go through shared memory to the dK / dV / dQ GEMMs of both.
+Head dims of V and Q may differ only on that tile (the larger above 128, the smaller padding to
+64, 128 or 192); other pairs and head dims above 256 are refused by name (`NotImplementedError`,
+`UnsupportedHeadDim`).
 
 Shared memory (`smem_bytes`): K and V of the CTA, `num_stages` buffers of (Q, dO, LSE, D),
 `ds_stages` dS^T buffers and the two warpgroups' fp32 dQ tiles (`dq_stages` each): about 2 *
@@ -192,10 +194,10 @@ class Sm90BwdConfig:
     # is in flight while dS^T is computed, P^T's 16-bit registers live across it instead. Shipped
     # with the 128-row tile (`WIDE_TILES`); at head dims 96 and 128 level or slower (A/B "dV after dS").
     dv_after_ds: bool = False
-    # Head dim 256: the CTA's 64 keys are shared by both warpgroups, and dK, dV and dQ split over
-    # their columns (128 each: 64 + 64 + 64 accumulator registers per thread, where 64 keys per
-    # warpgroup would need 256 for dK and dV alone). Each warpgroup computes S^T and dP^T for
-    # half of the block's queries; P^T and dS^T go to shared memory, and dV += P^T dO,
+    # Head dims 192 and 256: the CTA's 64 keys are shared by both warpgroups, and dK, dV and dQ
+    # split over their columns (128 each at 256: 64 + 64 + 64 accumulator registers per thread,
+    # where 64 keys per warpgroup would need 256 for dK and dV alone). Each warpgroup computes
+    # S^T and dP^T for half of the block's queries; P^T and dS^T go to shared memory, and dV += P^T dO,
     # dK += dS^T Q and dQ = dS K read them from there (A operands in shared memory).
     dkv_split: bool = False
 
@@ -319,14 +321,15 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
             )
         if hd not in SPLIT_HEADDIMS:
             raise NotImplementedError(f"the sm_90 backward kernel does not take head dim {head_dim} with {head_dim_v}")
+    masked = flags.get("causal", False) or flags.get("local", False)
     wide = (hd in WIDE_TILES and hd == hdv and not flags.get("softcap", False) and flags.get("dq_writer", True)
-            and not _spills_wide(flags))
+            and not _spills_wide(flags, masked))
     tile = WIDE_TILES[hd] if wide else TILES[max(hd, hdv)]
     flags.setdefault("dq_split", tile.dq_split)
     flags.setdefault("dq_writer", tile.dq_writer)
     flags.setdefault("overlap_dv", tile.overlap_dv and not flags.get("softcap", False))
     flags.setdefault("dk_after_dq", tile.dk_after_dq)
-    mode = "masked" if flags.get("causal", False) or flags.get("local", False) else "plain"
+    mode = "masked" if masked else "plain"
     flags.setdefault("stats_early", mode in tile.stats_early)
     flags.setdefault("dq_fence_late", mode in tile.dq_fence_late and flags["dq_writer"])
     flags.setdefault("dk_behind_dq", tile.dk_behind_dq and not flags["dk_after_dq"])
@@ -343,12 +346,11 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     return Sm90BwdConfig(**fields)
 
 
-def _spills_wide(flags: dict) -> bool:
+def _spills_wide(flags: dict, masked: bool) -> bool:
     """The calls the 128-row tile spills for (4/8 B for sm_90a, both dtypes, whether dK / dV are
     staged or not, with or without the late dQ fence): varlen queries and keys without a mask.
     Varlen queries or keys alone, seqused_k alone, or a causal or window mask compile clean on
     it; these calls take the 64-row tile, which compiles clean for them."""
-    masked = flags.get("causal", False) or flags.get("local", False)
     return flags.get("varlen_q", False) and flags.get("varlen_k", False) and not masked
 
 
