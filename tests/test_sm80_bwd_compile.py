@@ -319,3 +319,14 @@ def test_head_dim_256_with_softcap_takes_the_16_row_tile_where_the_others_spille
     assert without.tile_m == 32  # never without soft-capping
     # unequal head dims keep their tile
     assert bc.make_config(dtype, 256, 128, softcap=True, **flags).tile_m == 32
+
+
+@pytest.mark.parametrize("d,dv,dtype,smem,causal,rows", [
+    (256, 192, "bfloat16", None, False, 32), (192, 256, "float16", H200_SMEM, True, 32),
+    (128, 256, "float16", H200_SMEM, True, 16), (256, 128, "bfloat16", H200_SMEM, False, 16),
+])
+def test_unequal_head_dims_with_softcap_deterministic_take_the_tiles_that_do_not_spill(d, dv, dtype, smem, causal, rows):
+    config = bc.make_config(dtype, d, dv, smem_limit=smem, softcap=True, deterministic=True, causal=causal)
+    assert config.tile_m == rows and config.num_warps == (2 if min(d, dv) > 128 else 4), config.name
+    # not deterministic: the table's tile
+    assert bc.make_config(dtype, d, dv, smem_limit=smem, softcap=True, causal=causal).tile_m == 32

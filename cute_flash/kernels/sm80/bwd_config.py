@@ -261,6 +261,13 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: Optional
             tile = large
     if hd == hdv == 256 and _softcap_spills(tile, dtype, flags):
         tile = SOFTCAP_TILE_256
+    elif hd != hdv and max(hd, hdv) == 256 and flags.get("softcap", False) and flags.get("deterministic", False):
+        # soft-capped deterministic unequal pairs spilled 8-32 B: 256 / 192 and 192 / 256 on the
+        # 4-warp tile, 128 / 256 (fp16, causal) on the 8-warp one
+        if min(hd, hdv) > 128:
+            tile = ROW_COPY_FALLBACKS[2]
+        elif tile == LARGE_SMEM_TILES.get(256) and not _tile_refusal(SOFTCAP_TILE_256, hd, hdv):
+            tile = SOFTCAP_TILE_256
     return _config_for_tile(tile, dtype, head_dim, head_dim_v, hd, hdv, flags)
 
 
