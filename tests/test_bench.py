@@ -479,3 +479,48 @@ def test_ab_scripts_share_their_case_options():
     assert bl.ab_cases(p, p.parse_args(["--full-only"]), (64, 128)) == [(64, False), (128, False)]
     with pytest.raises(SystemExit):
         bl.ab_cases(p, p.parse_args(["--head-dims", "96"]), (64, 128))
+
+
+def _timeline_record(sm, steps, start, cycles_per_step, step_ns=1000, wrap=0):
+    """A synthetic `Sm90BwdConfig.timeline` record: one CTA on SM `sm` starting at `start` ns,
+    K/V in after 500 ns, the first Q in after 800, `steps` steps of `step_ns`, a 700 ns epilogue;
+    both warpgroups count `cycles_per_step` per step, split 1:2:3:4:5:6:7 over the phases."""
+    t = [start, start + 500, start + 800, start + 800 + 2 * step_ns, start + 800 + steps * step_ns,
+         start + 800 + steps * step_ns + 700]
+    t = [(x + wrap) % (1 << 32) for x in t]
+    phases = [cycles_per_step * steps * (i + 1) // 28 for i in range(7)]
+    return [sm, steps, *t, *phases, steps, *phases, steps]
+
+
+def test_bwd_timeline_summary_splits_sm_time_and_phases():
+    import bwd_timeline as tl
+
+    # two SMs: SM 0 runs two CTAs back to back (100 ns apart), SM 1 one CTA that ends early;
+    # the timer wraps around 2^32 in the middle of the launch
+    wrap = (1 << 32) - 3000
+    records = [_timeline_record(0, 10, 0, 2800, wrap=wrap), _timeline_record(0, 10, 11600, 2800, wrap=wrap),
+               _timeline_record(1, 4, 0, 2800, wrap=wrap)]
+    s = tl.summarize(records, clock_ghz=2.8)
+    assert s.ctas == 3 and s.sms == 2
+    assert s.span_us == pytest.approx(23.1)  # 11600 + 800 + 10000 + 700 ns
+    assert s.prologue_us == pytest.approx(0.8) and s.epilogue_us == pytest.approx(0.7)
+    assert s.first_two_us == pytest.approx(2.0) and s.step_us == pytest.approx(1.0)
+    assert s.between == pytest.approx(100 / (2 * 23100))
+    assert s.idle_end == pytest.approx((23100 - 5500) / (2 * 23100))
+    assert s.busy + s.between + s.idle_end == pytest.approx(1.0)
+    assert [round(c) for c in s.phases[0]] == [100 * (i + 1) for i in range(7)]
+    assert tl.clock_rate(records) == pytest.approx(28000 / 10300)  # the longest walk's cycles over its ns
+
+
+def test_bwd_timeline_overrides_are_checked_flags():
+    import bwd_timeline as tl
+    from cute_flash.kernels.sm90.bwd_config import make_config
+
+    base = make_config("bfloat16", 128, 128, causal=True)
+    flipped = tl.apply_overrides(base, tl.parse_overrides("stats_early=1, dq_fence_late=0"))
+    assert flipped.stats_early is True and flipped.dq_fence_late is False
+    wide = make_config("bfloat16", 64, 64)
+    narrow = tl.apply_overrides(wide, tl.parse_overrides("tile_m=64,dq_rows=0,dq_split=1,dv_after_ds=0"))
+    assert narrow.tile_m == 64 and not narrow.dq_rows
+    with pytest.raises(SystemExit, match="no flag"):
+        tl.apply_overrides(base, {"no_such_flag": 1})

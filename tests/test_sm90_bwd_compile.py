@@ -200,6 +200,14 @@ def test_sm90_bwd_varlen_calls_without_a_mask_take_the_64_row_tile_where_the_128
     assert bc.make_config("bfloat16", 128, 128, varlen_q=True, varlen_k=True).tile_m == 64
 
 
+def test_sm90_bwd_profiling_build_refuses_the_128_row_tile():
+    wide = bc.make_config("bfloat16", 64, 64)
+    assert wide.dq_rows
+    with pytest.raises(ValueError, match="timeline"):
+        replace(wide, timeline=True)
+    assert "timeline" in replace(bc.make_config("bfloat16", 64, 64, causal=True, softcap=True), timeline=True).name
+
+
 def test_sm90_bwd_causal_and_local_exclude_each_other():
     with pytest.raises(ValueError, match="causal"):
         bc.make_config("float16", 64, 64, causal=True, local=True)
@@ -296,6 +304,8 @@ COMPILED = [
     bc.make_config("float16", 72, 72),
     bc.make_config("bfloat16", 256, 256, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
     bc.make_config("float16", 192, 192, causal=True),
+    # the profiling build (`timeline`): counters that spilled or serialized would measure nothing
+    replace(bc.make_config("bfloat16", 128, 128, causal=True), timeline=True),
 ]
 
 

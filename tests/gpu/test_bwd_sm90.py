@@ -283,3 +283,49 @@ def test_sm90_bwd_buffers_it_allocates_may_hold_anything(monkeypatch, d, varlen)
     """Gradients match the oracle with every fresh float buffer NaN-filled (`poisoned_backward_case`)."""
     q, k, v, kw = poisoned_backward_case(monkeypatch, d, varlen)
     _check(q, k, v, _args(d, **kw))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_bwd_profiling_build_writes_sane_records_and_the_same_gradients(causal):
+    """`Sm90BwdConfig.timeline` (benchmarks/bwd_timeline.py): its records replace the first row
+    of each CTA's dK tile and nothing else; they hold the CTA's step count, stamps in order and
+    the phase cycles of both warpgroups."""
+    from dataclasses import replace
+
+    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+    from cute_flash.kernels.sm90.bwd_config import make_config
+
+    backend = _backend()
+    b, s, h, d = 2, 1000, 4, 128
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    args = _args(d, causal=causal, window_right=0 if causal else -1)
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = torch.randn_like(out)
+    shipped = make_config("bfloat16", d, d, causal=causal)
+    runs = {}
+    for config in (shipped, replace(shipped, timeline=True)):
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        pre, _, post = sm90_configs(q, k, v, None, args)
+        backward_sm90(backend, dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
+        torch.cuda.synchronize()
+        runs[config.timeline] = grads
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = runs[False], runs[True]
+    assert torch.equal(dv0, dv1)
+    assert (dq0.float() - dq1.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * dq0.float().abs().max()
+    record_rows = torch.zeros(s, dtype=torch.bool)
+    record_rows[::shipped.tile_n] = True
+    assert torch.equal(dk0[:, ~record_rows], dk1[:, ~record_rows])
+
+    records = dk1[:, ::shipped.tile_n].view(torch.int32)[..., :24]  # (b, n_blocks, h, 24)
+    n_blocks, m_blocks = records.shape[1], math.ceil(s / shipped.tile_m)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n in range(n_blocks):
+        expected = m_blocks - (n * shipped.tile_n) // shipped.tile_m if causal else m_blocks
+        for r in records[:, n].reshape(-1, 24).tolist():
+            assert 0 <= r[0] < sms and r[1] == expected
+            stamps = [(t - r[2]) % (1 << 32) for t in r[2:8]]
+            assert stamps == sorted(stamps) and stamps[-1] < 10 ** 9
+            for wg in range(2):
+                phases = [x % (1 << 32) for x in r[8 + 8 * wg: 15 + 8 * wg]]
+                assert r[15 + 8 * wg] == expected and sum(phases) > 0

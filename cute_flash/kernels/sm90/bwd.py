@@ -89,7 +89,7 @@ from ..common.block_info import BlockInfo, effective_window
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import swizzle_params, wgmma_smem_layout_atom, wgmma_smem_layout_tile
 from ..common.utils import acc_mn_view, exp2f, make_s2g_copy, store_staged_rows, tanhf
-from .bwd_config import LPT_GROUP_CTAS, NUM_CONSUMER_WGS, STAT_ALIGN, Sm90BwdConfig
+from .bwd_config import LPT_GROUP_CTAS, NUM_CONSUMER_WGS, STAT_ALIGN, TIMELINE_PHASES, Sm90BwdConfig
 from .fwd import FlashFwdSm90, tile_coords, tma_view
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
 
@@ -568,8 +568,14 @@ class FlashBwdSm90:
         acc_dK = cute.make_rmem_tensor(thr_mma_dK.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
         acc_dV = cute.make_rmem_tensor(thr_mma_dV.partition_shape_C((cfg.tile_n, cfg.head_dim_v)), Float32)
 
+        # `timeline` (a profiling build): globaltimer stamps of this CTA and clock cycles per phase
+        # of a step, summed over its steps (see `Sm90BwdConfig.timeline`)
+        stamps = cute.make_rmem_tensor((6,), Int32)
+        phases = cute.make_rmem_tensor((TIMELINE_PHASES + 1,), Int32)
+        self.stamp(stamps, 0)
         if m_steps > 0:
             pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            self.stamp(stamps, 1)
             rows_k = seqlen.seqlen_k - n_block * cfg.tile_n
             if cutlass.const_expr(cfg.seqused_k or cfg.varlen_k):
                 if rows_k < cfg.tile_n:
@@ -591,11 +597,20 @@ class FlashBwdSm90:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             # with `dk_after_dq` a stage is released one block late, once its dK GEMM is done
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+            if cutlass.const_expr(cfg.timeline):
+                phases.fill(0)
             for it in cutlass.range(m_steps * group, unroll=1):
                 head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
                 m_lo = m_block * cfg.tile_m
                 stage = state.index
+                tick = self.tick(phases, -1, Int32(0))
                 pipeline_q.consumer_wait(state)
+                tick = self.tick(phases, 0, tick)
+                if cutlass.const_expr(cfg.timeline):
+                    if it == 0:
+                        self.stamp(stamps, 2)
+                    if it == 2:
+                        self.stamp(stamps, 3)
                 # this thread's LSE and D: its first query's entry + thread 0's column (immediates)
                 sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
                 sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
@@ -613,6 +628,7 @@ class FlashBwdSm90:
                     if it > 0:  # the previous block's dQ tile is stored: hand it to the writer warp
                         self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
                 warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
+                tick = self.tick(phases, 1, tick)
                 if cutlass.const_expr(cfg.dk_after_dq):
                     if it > 0:  # the previous block's dK GEMM, the last reader of its stage, is done
                         pipeline_q.consumer_release(release_state)
@@ -649,6 +665,7 @@ class FlashBwdSm90:
                 # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
                 # from being live together
                 warpgroup.wait_group(1 if cutlass.const_expr(cfg.overlap_dv and not cfg.softcap) else 0)
+                tick = self.tick(phases, 2, tick)
 
                 # dS^T = P^T (dP^T - D), with soft-capping P^T (1 - tanh^2) (dP^T - D)
                 acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
@@ -677,6 +694,7 @@ class FlashBwdSm90:
                     cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
                 else:
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                tick = self.tick(phases, 3, tick)
                 if cutlass.const_expr(cfg.dkv_split):
                     # P^T and dS^T of both warpgroups are in shared memory
                     gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVsP[None, None, None, p_stage],
@@ -692,6 +710,7 @@ class FlashBwdSm90:
                 else:
                     warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
                     pipeline_q.consumer_release(state)
+                tick = self.tick(phases, 4, tick)
                 if cutlass.const_expr(not cfg.dk_behind_dq):
                     state.advance()
 
@@ -709,10 +728,15 @@ class FlashBwdSm90:
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
                     if dq_warp:
                         self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg[None, None, 0], seqlen, batch, head, m_block, wg_idx)
+                tick = self.tick(phases, 5, tick)
                 if cutlass.const_expr(cfg.dk_behind_dq):
                     warpgroup.wait_group(0)  # dK in: the end of every read of this stage
                     pipeline_q.consumer_release(state)
                     state.advance()
+                tick = self.tick(phases, 6, tick)
+                if cutlass.const_expr(cfg.timeline):
+                    phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
+            self.stamp(stamps, 4)
             if cutlass.const_expr(cfg.dq_fence_late):
                 self.hand_over_dq(wg_idx, (m_steps * group - 1) % cfg.dq_stages)  # the last block's dQ tile
             if cutlass.const_expr(cfg.dk_after_dq):
@@ -730,9 +754,44 @@ class FlashBwdSm90:
             else:
                 self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
                 self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
+            if cutlass.const_expr(cfg.timeline):
+                self.write_timeline(stamps, phases, mdK, seqlen, batch, head_k, n_block, m_steps * group, ctidx, wg_idx)
         else:  # no query block sees these keys
             self.store_rows(None, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
             self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
+
+    @cute.jit
+    def stamp(self, stamps, i: cutlass.Constexpr):
+        """`timeline`: the low 32 bits of the global nanosecond timer into `stamps[i]`."""
+        if cutlass.const_expr(self.cfg.timeline):
+            stamps[i] = cute.arch.globaltimer_lo()
+
+    @cute.jit
+    def tick(self, phases, i: cutlass.Constexpr, last):
+        """`timeline`: the SM clock now; the cycles since `last` are added to phase `i` (none for
+        `i` = -1). Without `timeline` nothing is read."""
+        now = last
+        if cutlass.const_expr(self.cfg.timeline):
+            now = cute.arch.clock()
+            if cutlass.const_expr(i >= 0):
+                phases[i] = phases[i] + (now - last)
+        return now
+
+    @cute.jit
+    def write_timeline(self, stamps, phases, mdK, seqlen: SeqlenInfo, batch, head_k, n_block, steps, ctidx, wg_idx):
+        """`timeline`: this CTA's record over the first row of its dK tile, after the epilogue has
+        stored it (see `Sm90BwdConfig.timeline` for the layout)."""
+        cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+        self.stamp(stamps, 5)
+        row = cute.recast_tensor(seqlen.k_rows(mdK, batch, head_k)[n_block * self.cfg.tile_n, None], Int32)
+        if ctidx == 0:
+            row[0] = cute.arch.smid()
+            row[1] = steps
+            for i in cutlass.range_constexpr(6):
+                row[2 + i] = stamps[i]
+        if ctidx % 128 == 0:
+            for i in cutlass.range_constexpr(TIMELINE_PHASES + 1):
+                row[8 + wg_idx * 8 + i] = phases[i]
 
     @cute.jit
     def hand_over_dq(self, wg_idx, buf):

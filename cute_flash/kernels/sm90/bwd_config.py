@@ -49,6 +49,8 @@ SMEM_LIMIT = 227 * 1024
 NUM_CONSUMER_WGS = 2
 # setmaxnreg budgets (consumer, producer): 128 * (24 + 2 * 240) <= 64K registers of an SM
 REGISTERS = (240, 24)
+# `Sm90BwdConfig.timeline`: the phases of a step whose clock cycles a profiling build counts
+TIMELINE_PHASES = 7
 # `Sm90BwdConfig.lpt`: CTAs per group of heads whose key blocks go longest first
 LPT_GROUP_CTAS = 256
 # A TMA box must start at a 16-byte-aligned address of its innermost dimension (4 floats of the
@@ -200,6 +202,16 @@ class Sm90BwdConfig:
     # S^T and dP^T for half of the block's queries; P^T and dS^T go to shared memory, and dV += P^T dO,
     # dK += dS^T Q and dQ = dS K read them from there (A operands in shared memory).
     dkv_split: bool = False
+    # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
+    # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
+    # 0 the SM, 1 the steps (query blocks), 2-7 the low 32 bits of the global nanosecond timer at
+    # the start, K and V in, the first step's Q in, the third step's Q in, the end of the walk
+    # and the end of the epilogue; then per consumer warpgroup (8 + 8w) the SM clock cycles of
+    # thread 0 of the warpgroup spent, summed over its steps, in each of the `TIMELINE_PHASES`
+    # phases of a step -- waiting for Q / dO, issuing S^T (and dP^T) and waiting for S^T, forming
+    # P^T and waiting for dP^T, forming and storing dS^T up to the barrier, the dQ GEMM and its
+    # wait, handing dQ over, and the rest (dK's wait, the stage's release) -- and its step count.
+    timeline: bool = False
 
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
     registers = REGISTERS
@@ -241,6 +253,9 @@ class Sm90BwdConfig:
             raise ValueError(f"dq_stages must be 1, or 2 with dq_writer; got {self.dq_stages}")
         if self.lpt and not self.causal:
             raise ValueError("lpt orders causal key blocks; it needs causal")
+        if self.timeline and self.dq_rows:
+            # its counters spill registers there (11 B) and serialize the WGMMAs: nothing to measure
+            raise ValueError("timeline: the 128-row tile (dq_rows) has no registers to spare for the counters")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
 
@@ -298,7 +313,8 @@ class Sm90BwdConfig:
     def name(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
-                             "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split")
+                             "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
+                             "timeline")
                  if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:

@@ -1,0 +1,210 @@
+"""Where the sm_90 backward's time goes: the profiling build's per-CTA timeline, on an H100/H200.
+
+    python benchmarks/bwd_timeline.py                          # hd 128, 2 x 8192 x 16, both masks
+    python benchmarks/bwd_timeline.py --head-dims 128,192 --causal yes --set stats_early=1
+
+The profiling build (`Sm90BwdConfig.timeline`) stamps each CTA with the global nanosecond timer
+(start, K and V in, first query block in, third query block in, end of the walk, end of the
+epilogue) and counts, in thread 0 of each consumer warpgroup, the SM clock cycles of each phase
+of a step, summed over its steps. Its records overwrite the first row of each CTA's dK tile, so
+its dK is not a gradient; nothing else changes. Per case this prints:
+
+* the backward's milliseconds (do_bench median) of the shipped build and of the profiling
+  build, so that the counters' own cost shows;
+* the SM clock the CTAs ran at (cycles over nanoseconds: an H200 at its 700 W limit runs well
+  below its 1980 MHz);
+* per CTA, the mean microseconds before its first step can start, of its first two steps (the
+  masked ones on a causal diagonal), of a later step, and of its epilogue;
+* the share of the SMs' time spent inside CTAs, between them and idle at the end (the last
+  wave), and how that busy time splits into the above;
+* per consumer warpgroup, the cycles per step of each phase (`PHASES`).
+
+`--set flag=value` overrides configuration flags (as `ab_sm90_bwd.py` flips them), e.g. to see
+which phase a flag moves. Head dim 64's 128-row tile has no registers for the counters; its
+calls are measured on the 64-row tile (`--set tile_m=64,dq_rows=0,dq_split=1`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PHASES = ("Q/dO wait", "S issue + wait", "P + dP wait", "dS + barrier", "dQ GEMM", "dQ hand-over", "dK wait + release")
+RECORD_INTS = 24  # smid, steps, 6 stamps, 2 x (7 phases + steps)
+
+
+@dataclass
+class Summary:
+    ctas: int
+    sms: int
+    span_us: float
+    clock_ghz: float
+    prologue_us: float  # start to the first query block's Q in
+    first_two_us: float  # the first two steps (CTAs with more than two)
+    step_us: float  # a later step (CTAs with more than four)
+    epilogue_us: float
+    busy: float  # shares of SM time (SMs x span)
+    between: float
+    idle_end: float
+    phases: list  # per warpgroup: cycles per step of each phase
+
+
+def unwrap(stamps):
+    """The low 32 bits of the nanosecond timer -> nanoseconds since the earliest stamp (a kernel
+    runs for far less than the 4.3 s the 32 bits span)."""
+    ref = stamps[0]
+    signed = [(t - ref) % (1 << 32) for t in stamps]
+    signed = [d - (1 << 32) if d >= 1 << 31 else d for d in signed]
+    first = min(signed)
+    return [d - first for d in signed]
+
+
+def summarize(records, clock_ghz: float) -> Summary:
+    """The summary of one launch's records (rows of `RECORD_INTS` ints, as the kernel wrote
+    them; unsigned 32-bit values). `clock_ghz`: the SM clock the phase cycles are converted at
+    (from `clock_rate`)."""
+    rows = [list(r) for r in records]
+    flat = unwrap([t for r in rows for t in r[2:8]])
+    for i, r in enumerate(rows):
+        r[2:8] = flat[6 * i: 6 * i + 6]
+    n = len(rows)
+    span = max(r[7] for r in rows) - min(r[2] for r in rows)
+    by_sm = {}
+    for r in rows:
+        by_sm.setdefault(r[0], []).append(r)
+    busy = sum(r[7] - r[2] for r in rows)
+    between = idle_end = 0
+    end = max(r[7] for r in rows)
+    for ctas in by_sm.values():
+        ctas.sort(key=lambda r: r[2])
+        between += sum(max(0, b[2] - a[7]) for a, b in zip(ctas, ctas[1:]))
+        idle_end += end - ctas[-1][7]
+    total = span * len(by_sm)
+
+    def mean(values):
+        values = list(values)
+        return sum(values) / len(values) / 1000 if values else float("nan")
+
+    long2 = [r for r in rows if r[1] > 2]
+    long4 = [r for r in rows if r[1] > 4]
+    phases = []
+    for wg in range(2):
+        base = 8 + 8 * wg
+        steps = sum(r[base + 7] for r in rows) or 1
+        phases.append([sum(r[base + i] for r in rows) / steps for i in range(len(PHASES))])
+    return Summary(
+        ctas=n, sms=len(by_sm), span_us=span / 1000, clock_ghz=clock_ghz,
+        prologue_us=mean(r[4] - r[2] for r in rows),
+        first_two_us=mean(r[5] - r[4] for r in long2),
+        step_us=mean((r[6] - r[5]) / (r[1] - 2) for r in long4),
+        epilogue_us=mean(r[7] - r[6] for r in rows),
+        busy=busy / total, between=between / total, idle_end=idle_end / total, phases=phases,
+    )
+
+
+def clock_rate(records) -> float:
+    """GHz: the cycles warpgroup 0 of the longest CTA counted over its walk (every phase of every
+    step) over the walk's nanoseconds (K and V in to the end of the walk)."""
+    longest = max(records, key=lambda r: (r[6] - r[3]) % (1 << 32))
+    cycles = sum(longest[8 + i] for i in range(len(PHASES)))
+    return cycles / ((longest[6] - longest[3]) % (1 << 32) or 1)
+
+
+def format_summary(s: Summary) -> str:
+    lines = [
+        f"  {s.ctas} CTAs on {s.sms} SMs over {s.span_us:.0f} us, SM clock {s.clock_ghz:.2f} GHz",
+        f"  per CTA (us): to the first step {s.prologue_us:.2f}, first two steps {s.first_two_us:.2f}, "
+        f"a later step {s.step_us:.3f} ({s.step_us * s.clock_ghz * 1000:.0f} cycles), epilogue {s.epilogue_us:.2f}",
+        f"  SM time: in CTAs {s.busy:.3f}, between CTAs {s.between:.4f}, idle at the end {s.idle_end:.4f}",
+    ]
+    for wg, ph in enumerate(s.phases):
+        lines.append(f"  warpgroup {wg} cycles per step: " + ", ".join(f"{n} {c:.0f}" for n, c in zip(PHASES, ph))
+                     + f" | sum {sum(ph):.0f}")
+    return "\n".join(lines)
+
+
+def parse_overrides(text: str) -> dict:
+    """'stats_early=1,tile_m=64' -> {'stats_early': True, 'tile_m': 64} (0/1 are booleans for
+    boolean flags, which `apply_overrides` checks)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        out[key.strip()] = int(value)
+    return out
+
+
+def apply_overrides(config, overrides: dict):
+    values = {}
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise SystemExit(f"--set: the configuration has no flag {key!r}")
+        values[key] = bool(value) if isinstance(getattr(config, key), bool) else value
+    return replace(config, **values)
+
+
+def on_gpu(opts) -> None:
+    import torch
+    from triton.testing import do_bench
+
+    import cute_flash
+    from cute_flash.backends import get_backend
+    from cute_flash.backends.base import AttnArgs
+    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+    from cute_flash.kernels.sm90.bwd_config import make_config
+
+    backend = get_backend("cute-sm90")
+    b, s = opts.batch, opts.seqlen
+    for d in opts.head_dims:
+        for causal in opts.causal:
+            h = opts.hidden // d
+            args = AttnArgs(softmax_scale=d ** -0.5, causal=causal, window_right=0 if causal else -1)
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(3))
+            out, lse = cute_flash.attention(q, k, v, causal=causal, return_lse=True)
+            dout = torch.randn(out.shape, dtype=torch.bfloat16, device="cuda", generator=gen)
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+            shipped = apply_overrides(make_config("bfloat16", d, d, causal=causal), opts.overrides)
+            profiled = replace(shipped, timeline=True)
+
+            def run(config):
+                pre, _, post = sm90_configs(q, k, v, None, args)
+                backward_sm90(backend, dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
+
+            times = {"shipped": [], "profiling": []}
+            for _ in range(opts.rounds):
+                times["shipped"].append(do_bench(lambda: run(shipped), rep=80))
+                times["profiling"].append(do_bench(lambda: run(profiled), rep=80))
+            run(profiled)
+            torch.cuda.synchronize()
+            rows = grads[1].view(torch.int32)[:, ::profiled.tile_n, :, :RECORD_INTS]
+            records = (rows.reshape(-1, RECORD_INTS).to(torch.int64) % (1 << 32)).tolist()
+            summary = summarize(records, clock_rate(records))
+            label = f"hd{d} {'causal' if causal else 'full'} {b}x{s}x{h}"
+            print(f"{label} ({profiled.name}): ms " + ", ".join(
+                f"{k} {'/'.join(f'{t:.3f}' for t in v)}" for k, v in times.items()), flush=True)
+            print(format_summary(summary), flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head-dims", type=lambda x: [int(v) for v in x.split(",")], default=[128])
+    p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / head dim")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--set", dest="overrides", type=parse_overrides, default={},
+                   help="configuration flags to override, e.g. stats_early=1,dq_fence_late=0")
+    opts = p.parse_args(argv)
+    opts.causal = {"no": [False], "yes": [True], "both": [False, True]}[opts.causal]
+    on_gpu(opts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
