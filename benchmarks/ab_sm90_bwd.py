@@ -5,8 +5,9 @@ flipped, on an H100/H200.
     python benchmarks/ab_sm90_bwd.py --head-dims 64 --causal-only --rounds 3
     python benchmarks/ab_sm90_bwd.py --compile-only       # CPU: registers, spills, serialization
 
-Cases: bf16, head dims 64, 96 and 128, causal and not, batch x seqlen = 2 x 4096 with 2048 / head
-dim heads (21 at 96). Variants of each case (`kernels/sm90/bwd_config.py` says what each flag does):
+Cases: bf16, head dims 64, 96, 128, 192 and 256, causal and not, batch x seqlen = 2 x 4096 with
+2048 / head dim heads (21 at 96, 10 at 192). Variants of each case (`kernels/sm90/bwd_config.py`
+says what each flag does; at 192 and 256, the column-split tile, only those it takes):
 
 * `shipped`: the configuration `cute_flash.attention`'s backward runs (`make_config`);
 * one variant per schedule flag that the case can flip: `stats_early`, `dq_fence_late` (with the
@@ -41,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-HEAD_DIMS = (64, 96, 128)
+HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
 def variants(head_dim: int, causal: bool, only=None) -> list:

@@ -52,6 +52,7 @@ class Summary:
     between: float
     idle_end: float
     phases: list  # per warpgroup: cycles per step of each phase
+    outside: list  # per warpgroup: cycles per step of the walk that no phase counted
 
 
 def unwrap(stamps):
@@ -92,11 +93,13 @@ def summarize(records, clock_ghz: float) -> Summary:
 
     long2 = [r for r in rows if r[1] > 2]
     long4 = [r for r in rows if r[1] > 4]
-    phases = []
+    phases, outside = [], []
+    walk_cycles = sum(r[6] - r[3] for r in rows) * clock_ghz
     for wg in range(2):
         base = 8 + 8 * wg
         steps = sum(r[base + 7] for r in rows) or 1
         phases.append([sum(r[base + i] for r in rows) / steps for i in range(len(PHASES))])
+        outside.append(walk_cycles / steps - sum(phases[-1]))
     return Summary(
         ctas=n, sms=len(by_sm), span_us=span / 1000, clock_ghz=clock_ghz,
         prologue_us=mean(r[4] - r[2] for r in rows),
@@ -104,14 +107,16 @@ def summarize(records, clock_ghz: float) -> Summary:
         step_us=mean((r[6] - r[5]) / (r[1] - 2) for r in long4),
         epilogue_us=mean(r[7] - r[6] for r in rows),
         busy=busy / total, between=between / total, idle_end=idle_end / total, phases=phases,
+        outside=outside,
     )
 
 
 def clock_rate(records) -> float:
-    """GHz: the cycles warpgroup 0 of the longest CTA counted over its walk (every phase of every
-    step) over the walk's nanoseconds (K and V in to the end of the walk)."""
+    """GHz: the cycles the longest CTA's warpgroups counted over its walk (every phase of every
+    step; the larger of the two sums) over the walk's nanoseconds (K and V in to its end). A
+    warpgroup may count less than the walk: `Summary.outside` says how much."""
     longest = max(records, key=lambda r: (r[6] - r[3]) % (1 << 32))
-    cycles = sum(longest[8 + i] for i in range(len(PHASES)))
+    cycles = max(sum(longest[8 + 8 * wg + i] for i in range(len(PHASES))) for wg in range(2))
     return cycles / ((longest[6] - longest[3]) % (1 << 32) or 1)
 
 
@@ -124,7 +129,7 @@ def format_summary(s: Summary) -> str:
     ]
     for wg, ph in enumerate(s.phases):
         lines.append(f"  warpgroup {wg} cycles per step: " + ", ".join(f"{n} {c:.0f}" for n, c in zip(PHASES, ph))
-                     + f" | sum {sum(ph):.0f}")
+                     + f" | sum {sum(ph):.0f}, outside the phases {s.outside[wg]:.0f}")
     return "\n".join(lines)
 
 
@@ -183,6 +188,8 @@ def on_gpu(opts) -> None:
             torch.cuda.synchronize()
             rows = grads[1].view(torch.int32)[:, ::profiled.tile_n, :, :RECORD_INTS]
             records = (rows.reshape(-1, RECORD_INTS).to(torch.int64) % (1 << 32)).tolist()
+            if opts.save:
+                torch.save({"config": profiled.name, "records": records}, f"{opts.save}-hd{d}-{'causal' if causal else 'full'}.pt")
             summary = summarize(records, clock_rate(records))
             label = f"hd{d} {'causal' if causal else 'full'} {b}x{s}x{h}"
             print(f"{label} ({profiled.name}): ms " + ", ".join(
@@ -198,6 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / head dim")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--save", default="", help="also save each case's records to SAVE-hd<d>-<mask>.pt")
     p.add_argument("--set", dest="overrides", type=parse_overrides, default={},
                    help="configuration flags to override, e.g. stats_early=1,dq_fence_late=0")
     opts = p.parse_args(argv)

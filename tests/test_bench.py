@@ -460,6 +460,17 @@ def test_ab_sm90_bwd_times_the_shipped_backward_and_distinct_flag_flips(head_dim
     assert any(not c.stats_early and not c.dq_fence_late for c in configs)
 
 
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_ab_sm90_bwd_flips_only_what_the_column_split_tile_takes(head_dim):
+    import ab_sm90_bwd
+
+    variants = dict(ab_sm90_bwd.variants(head_dim, causal=True))
+    shipped = variants["shipped"]
+    assert shipped.dkv_split and "dq_fence_late" in variants and "no lpt" in variants
+    assert "stats_early" not in variants and "overlap_dv" not in variants  # P^T / dS^T from shared memory
+    assert all(c.dkv_split and c.head_dim == head_dim for c in variants.values())
+
+
 def test_ab_sm90_bwd_refuses_head_dims_it_has_no_tile_for():
     import ab_sm90_bwd
 

@@ -737,6 +737,9 @@ class FlashBwdSm90:
                 if cutlass.const_expr(cfg.timeline):
                     phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
             self.stamp(stamps, 4)
+            if cutlass.const_expr(cfg.timeline):
+                if m_steps * group <= 2:  # no third step: its stamp is the end of the walk
+                    stamps[3] = stamps[4]
             if cutlass.const_expr(cfg.dq_fence_late):
                 self.hand_over_dq(wg_idx, (m_steps * group - 1) % cfg.dq_stages)  # the last block's dQ tile
             if cutlass.const_expr(cfg.dk_after_dq):
@@ -772,7 +775,7 @@ class FlashBwdSm90:
         `i` = -1). Without `timeline` nothing is read."""
         now = last
         if cutlass.const_expr(self.cfg.timeline):
-            now = cute.arch.clock()
+            now = Int32(cute.arch.clock64())
             if cutlass.const_expr(i >= 0):
                 phases[i] = phases[i] + (now - last)
         return now

@@ -205,7 +205,8 @@ class Sm90BwdConfig:
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
     # 0 the SM, 1 the steps (query blocks), 2-7 the low 32 bits of the global nanosecond timer at
-    # the start, K and V in, the first step's Q in, the third step's Q in, the end of the walk
+    # the start, K and V in, the first step's Q in, the third step's Q in (the end of the walk
+    # for walks of two steps or less), the end of the walk
     # and the end of the epilogue; then per consumer warpgroup (8 + 8w) the SM clock cycles of
     # thread 0 of the warpgroup spent, summed over its steps, in each of the `TIMELINE_PHASES`
     # phases of a step -- waiting for Q / dO, issuing S^T (and dP^T) and waiting for S^T, forming
