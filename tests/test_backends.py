@@ -131,3 +131,25 @@ def test_backward_without_a_kernel_for_the_call_runs_on_the_reference():
     assert chosen("triton") == "triton" and chosen("triton", deterministic=True) == "triton"
     with pytest.raises(NotImplementedError, match="paged"):
         chosen("reference", page_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_tile_counters_are_kept_for_the_most_recent_streams_only(monkeypatch):
+    """One zeroed counter per (device, stream), reused on that stream; past `MAX_TILE_COUNTERS`
+    streams the one that launched longest ago gives its counter up and gets a new one later."""
+    from cute_flash.backends import cute as cb
+
+    backend = cb.CuteSm90Backend()
+    stream = {"handle": 0}
+    monkeypatch.setattr(cb, "_stream_key", lambda device: ("cpu", stream["handle"]))
+    first = backend.tile_counter(torch.device("cpu"))
+    assert first.tolist() == [0] and first.dtype == torch.int32
+    assert backend.tile_counter(torch.device("cpu")) is first  # same stream: same counter
+    for handle in range(1, cb.MAX_TILE_COUNTERS):
+        stream["handle"] = handle
+        backend.tile_counter(torch.device("cpu"))
+    stream["handle"] = 0
+    assert backend.tile_counter(torch.device("cpu")) is first  # used again: now the most recent
+    stream["handle"] = cb.MAX_TILE_COUNTERS  # one stream more: stream 1, the oldest, gives its up
+    backend.tile_counter(torch.device("cpu"))
+    assert len(backend._tile_counters) == cb.MAX_TILE_COUNTERS
+    assert ("cpu", 1) not in backend._tile_counters and ("cpu", 0) in backend._tile_counters

@@ -28,6 +28,7 @@ path, `=1` requires TVM-FFI (`KernelArgs`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -273,6 +274,12 @@ def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+# `CuteBackend.tile_counter`: the counters kept, one per (device, stream) that launched last; a
+# stream past them gets a new zeroed one when it comes back (a process that makes a stream per
+# request would otherwise keep a counter for each).
+MAX_TILE_COUNTERS = 64
+
+
 def _stream_key(device: torch.device) -> tuple:
     """(device index, handle of the device's current stream); (device type, 0) off CUDA, where
     only the launch-argument tests build launches."""
@@ -305,7 +312,8 @@ class _CuteBackend(Backend):
     def __init__(self):
         self.cache = KernelCache(self.config_module, self.sources)
         self._reasons: dict = {}  # device index -> `unavailable_reason`
-        self._tile_counters: dict = {}  # (device index, stream handle) -> `tile_counter`'s tensor
+        # (device index, stream handle) -> `tile_counter`'s tensor, the most recent last
+        self._tile_counters: collections.OrderedDict = collections.OrderedDict()
 
     def _gpu_reason(self) -> Optional[str]:
         """Why this GPU cannot run the kernels, or None."""
@@ -545,13 +553,19 @@ class CuteSm90Backend(_CuteBackend):
         before each; calls on other streams run at the same time and take counters of their
         own. While a CUDA graph is being captured a call takes a new one instead, zeroed by a
         node of the graph on every replay: graphs captured on one stream may be replayed on
-        several at once."""
+        several at once. The `MAX_TILE_COUNTERS` streams that launched last keep theirs; an
+        older one's memory goes back to the caching allocator, which gives it again only to
+        work queued on that stream after its last launch."""
         if _capturing():
             return torch.zeros(1, dtype=torch.int32, device=device)
         key = _stream_key(device)
         counter = self._tile_counters.get(key)
         if counter is None:
             counter = self._tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+            if len(self._tile_counters) > MAX_TILE_COUNTERS:
+                self._tile_counters.popitem(last=False)
+        else:
+            self._tile_counters.move_to_end(key)
         return counter
 
     def fwd(self, q, k, v, out, lse, args: AttnArgs, workspace: Optional[tuple] = None) -> None:
