@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     csv = lambda s: tuple(t.strip() for t in s.split(",") if t.strip())  # noqa: E731
     p.add_argument("--modes", type=csv, default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--headdims", type=parse_sizes, default=_sizes(d.headdims), help="head dims of the forward modes")
+    p.add_argument("--headdim-v", type=int, default=None,
+                   help="head dim of V in the forward modes (default: each head dim), e.g. 128 with --headdims 192")
     p.add_argument("--seqlens", type=parse_sizes, default=_sizes(d.seqlens), help="sequence lengths (1k = 1024)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--providers", type=csv, default=",".join(ALL), help=f"comma list of {', '.join(ALL)}")
@@ -110,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def sweep_of(args) -> Sweep:
-    return Sweep(modes=args.modes, headdims=args.headdims, seqlens=args.seqlens,
+    return Sweep(modes=args.modes, headdims=args.headdims, headdim_v=args.headdim_v, seqlens=args.seqlens,
                  causal={"both": (False, True), "yes": (True,), "no": (False,)}[args.causal], dtype=args.dtype,
                  total_tokens=args.total_tokens, hidden=args.hidden, decode_batches=args.decode_batches,
                  decode_seqlens=args.decode_seqlens, decode_nheads=args.decode_heads[0],

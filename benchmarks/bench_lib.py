@@ -134,6 +134,11 @@ class Case:
         return self.headdim if self.headdim_v is None else self.headdim_v
 
     @property
+    def headdim_label(self) -> str:
+        """'128', or '192/128' where V's head dim differs."""
+        return str(self.headdim) if self.dv == self.headdim else f"{self.headdim}/{self.dv}"
+
+    @property
     def layout(self) -> str:
         return f"paged {self.page_size}" if self.page_size else "contiguous"
 
@@ -141,7 +146,7 @@ class Case:
         if self.mode == "decode":
             return (f"decode b={self.batch} kv={format_size(self.seqlen_k)} h={self.nheads}/{self.nheads_k} "
                     f"d={self.headdim} {self.layout}")
-        return (f"{self.mode} d={self.headdim} {'causal' if self.causal else 'non-causal'} "
+        return (f"{self.mode} d={self.headdim_label} {'causal' if self.causal else 'non-causal'} "
                 f"seqlen={format_size(self.seqlen_q)} b={self.batch} h={self.nheads}")
 
 
@@ -187,10 +192,12 @@ def throughput(case: Case, seconds: float) -> float:
 
 @dataclass(frozen=True)
 class Sweep:
-    """What to run. Forward modes keep batch·seqlen = total_tokens and nheads·headdim = hidden."""
+    """What to run. Forward modes keep batch·seqlen = total_tokens and nheads·headdim = hidden;
+    `headdim_v` (None: each head dim) is V's head dim in every forward case (e.g. 192 / 128)."""
 
     modes: Sequence[str] = MODES
     headdims: Sequence[int] = (64, 128, 256)
+    headdim_v: Optional[int] = None
     seqlens: Sequence[int] = (1024, 2048, 4096, 8192, 16384)
     causal: Sequence[bool] = (False, True)
     dtype: str = "bf16"
@@ -227,7 +234,9 @@ def build_cases(sweep: Sweep) -> list:
                 for seqlen in sweep.seqlens:
                     batch = max(1, sweep.total_tokens // seqlen)
                     nheads = sweep.hidden // headdim
-                    cases.append(Case(mode, batch, seqlen, seqlen, nheads, nheads, headdim, causal, sweep.dtype))
+                    dv = sweep.headdim_v if sweep.headdim_v not in (None, headdim) else None
+                    cases.append(Case(mode, batch, seqlen, seqlen, nheads, nheads, headdim, causal, sweep.dtype,
+                                      headdim_v=dv))
     return cases
 
 

@@ -20,7 +20,7 @@ META_ORDER = ("date", "gpu", "driver", "cuda", "torch", "nvidia-cutlass-dsl", "f
 
 def _row_key(case: Case) -> tuple:
     """Cases that share a row (everything but the provider)."""
-    return (case.mode, case.headdim, case.causal, case.seqlen_q, case.seqlen_k, case.batch, case.nheads,
+    return (case.mode, case.headdim, case.dv, case.causal, case.seqlen_q, case.seqlen_k, case.batch, case.nheads,
             case.nheads_k, case.page_size, case.dtype)
 
 
@@ -69,7 +69,7 @@ def _cell(r: Optional[Result], decimals: int, fastest: Optional[Result], notes: 
 def _key_cells(case: Case) -> list:
     if case.mode == "decode":
         return [str(case.batch), format_size(case.seqlen_k), case.layout]
-    return [str(case.headdim), "yes" if case.causal else "no", format_size(case.seqlen_q),
+    return [case.headdim_label, "yes" if case.causal else "no", format_size(case.seqlen_q),
             f"{case.batch} × {case.nheads}"]
 
 
@@ -160,7 +160,8 @@ def _panel_and_x(case: Case) -> tuple:
     length, a row per cache layout (contiguous first) and a column per batch size."""
     if case.mode == "decode":
         return (case.page_size, case.batch), f"{case.layout}, batch {case.batch}", case.seqlen_k
-    return ((case.causal, case.headdim), f"head dim {case.headdim}, {'causal' if case.causal else 'non-causal'}",
+    return ((case.causal, (case.headdim, case.dv)),
+            f"head dim {case.headdim_label}, {'causal' if case.causal else 'non-causal'}",
             case.seqlen_q)
 
 

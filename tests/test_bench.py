@@ -69,6 +69,20 @@ def test_default_sweep_keeps_tokens_and_hidden_constant():
         assert c.batch * c.seqlen_q == 16384 and c.nheads * c.headdim == 2048 and c.dtype == "bf16"
 
 
+def test_sweep_with_a_head_dim_of_v_labels_every_forward_case(tmp_path):
+    cases = bl.build_cases(bl.Sweep(modes=("fwd_bwd",), headdims=(192, 128), headdim_v=128, hidden=1536,
+                                    seqlens=(8192,), causal=(False,)))
+    assert [(c.headdim, c.dv, c.headdim_label) for c in cases] == [(192, 128, "192/128"), (128, 128, "128")]
+    assert cases[0].describe().startswith("fwd_bwd d=192/128 non-causal")
+    assert bl.case_flops(cases[0]) == pytest.approx(3.5 * 2 * 2 * 8 * 8192 * 8192 * (192 + 128))
+    results = [bl.Result(c, "cute-sm90", bl.OK, ms=1.0, value=100.0) for c in cases]
+    table = report.render_table(results, PROVIDERS, "fwd_bwd")
+    assert any(line.startswith("| 192/128 | no | 8k") for line in table.splitlines())
+    assert [p.name for p in report.write_plots(results, PROVIDERS, tmp_path / "run")] == ["run-fwd_bwd.png"]
+    args = bench_attention.parse_args(["--headdims", "192", "--headdim-v", "128", "--hidden", "1536"])
+    assert bench_attention.sweep_of(args).headdim_v == 128
+
+
 def test_decode_sweep_shapes_and_layouts():
     cases = bl.build_cases(bl.Sweep(modes=("decode",)))
     assert {(c.nheads, c.nheads_k, c.headdim, c.seqlen_q) for c in cases} == {(32, 8, 128, 1)}
