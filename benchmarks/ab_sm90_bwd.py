@@ -160,16 +160,38 @@ def warm(cases, jobs: int, only=None) -> None:
     print(f"warm-up: {len(configs)} variants ({', '.join(sorted(set(sources)))})", flush=True)
 
 
+def problem(b: int, s: int, h: int, d: int, causal: bool) -> tuple:
+    """A bf16 backward case on the GPU: (its `AttnArgs`, (dout, q, k, v, out, lse), the three
+    gradient buffers), with out and LSE from cute_flash's forward."""
+    import torch
+
+    import cute_flash
+    from cute_flash.backends.base import AttnArgs
+
+    args = AttnArgs(softmax_scale=d ** -0.5, causal=causal, window_right=0 if causal else -1)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(3))
+    out, lse = cute_flash.attention(q, k, v, causal=causal, return_lse=True)
+    dout = torch.randn(out.shape, dtype=torch.bfloat16, device="cuda", generator=gen)
+    return args, (dout, q, k, v, out, lse), [torch.empty_like(t) for t in (q, k, v)]
+
+
+def run_backward(config, dout, q, k, v, out, lse, grads, args) -> None:
+    """The sm_90 backward of a call with its main kernel built from `config`, between the call's
+    own preprocess and postprocess kernels."""
+    from cute_flash.backends import get_backend
+    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+
+    pre, _, post = sm90_configs(q, k, v, None, args)
+    backward_sm90(get_backend("cute-sm90"), dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
+
+
 def on_gpu(cases, opts) -> None:
     import torch
     from triton.testing import do_bench
 
-    import cute_flash
-    from cute_flash.backends import get_backend
     from cute_flash.backends.base import AttnArgs
-    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
 
-    backend = get_backend("cute-sm90")
     dtype = torch.bfloat16
     b, s = opts.batch, opts.seqlen
     print(f"sm_90 backward A/B, bf16, batch {b} x seqlen {s}; ms of each round (do_bench median)")
@@ -180,17 +202,12 @@ def on_gpu(cases, opts) -> None:
         def attn_args(d=d, causal=causal):
             return AttnArgs(softmax_scale=d ** -0.5, causal=causal, window_right=0 if causal else -1)
 
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda", generator=gen) for _ in range(3))
-        out, lse = cute_flash.attention(q, k, v, causal=causal, return_lse=True)
-        dout = torch.randn(out.shape, dtype=dtype, device="cuda", generator=gen)
-        grads = [torch.empty_like(t) for t in (q, k, v)]
+        _, (dout, q, k, v, out, lse), grads = problem(b, s, h, d, causal)
         runs, cells = {}, {}
         for label, config in variants(d, causal, opts.variants):
 
             def run(dout_, q_, k_, v_, out_, lse_, g_, a_, config=config):
-                pre, _, post = sm90_configs(q_, k_, v_, None, a_)
-                backward_sm90(backend, dout_, q_, k_, v_, out_, lse_, None, *g_, a_, False, (pre, config, post))
+                run_backward(config, dout_, q_, k_, v_, out_, lse_, g_, a_)
 
             try:
                 wrong = check(run, d, causal, attn_args, dtype)

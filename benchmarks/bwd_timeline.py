@@ -156,35 +156,21 @@ def on_gpu(opts) -> None:
     import torch
     from triton.testing import do_bench
 
-    import cute_flash
-    from cute_flash.backends import get_backend
-    from cute_flash.backends.base import AttnArgs
-    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+    from ab_sm90_bwd import problem, run_backward
     from cute_flash.kernels.sm90.bwd_config import make_config
 
-    backend = get_backend("cute-sm90")
     b, s = opts.batch, opts.seqlen
     for d in opts.head_dims:
         for causal in opts.causal:
             h = opts.hidden // d
-            args = AttnArgs(softmax_scale=d ** -0.5, causal=causal, window_right=0 if causal else -1)
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(3))
-            out, lse = cute_flash.attention(q, k, v, causal=causal, return_lse=True)
-            dout = torch.randn(out.shape, dtype=torch.bfloat16, device="cuda", generator=gen)
-            grads = [torch.empty_like(t) for t in (q, k, v)]
+            args, tensors, grads = problem(b, s, h, d, causal)
             shipped = apply_overrides(make_config("bfloat16", d, d, causal=causal), opts.overrides)
             profiled = replace(shipped, timeline=True)
-
-            def run(config):
-                pre, _, post = sm90_configs(q, k, v, None, args)
-                backward_sm90(backend, dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
-
             times = {"shipped": [], "profiling": []}
             for _ in range(opts.rounds):
-                times["shipped"].append(do_bench(lambda: run(shipped), rep=80))
-                times["profiling"].append(do_bench(lambda: run(profiled), rep=80))
-            run(profiled)
+                times["shipped"].append(do_bench(lambda: run_backward(shipped, *tensors, grads, args), rep=80))
+                times["profiling"].append(do_bench(lambda: run_backward(profiled, *tensors, grads, args), rep=80))
+            run_backward(profiled, *tensors, grads, args)
             torch.cuda.synchronize()
             rows = grads[1].view(torch.int32)[:, ::profiled.tile_n, :, :RECORD_INTS]
             records = (rows.reshape(-1, RECORD_INTS).to(torch.int64) % (1 << 32)).tolist()

@@ -259,26 +259,28 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: Optional
     if smem_limit is not None and large is not None and not _tile_refusal(large, hd, hdv):
         if _config_for_tile(large, dtype, head_dim, head_dim_v, hd, hdv, flags).smem_bytes <= smem_limit:
             tile = large
-    if hd == hdv == 256 and _softcap_spills(tile, dtype, flags):
-        tile = SOFTCAP_TILE_256
-    elif hd != hdv and max(hd, hdv) == 256 and flags.get("softcap", False) and flags.get("deterministic", False):
-        # soft-capped deterministic unequal pairs spilled 8-32 B: 256 / 192 and 192 / 256 on the
-        # 4-warp tile, 128 / 256 (fp16, causal) on the 8-warp one
-        if min(hd, hdv) > 128:
-            tile = ROW_COPY_FALLBACKS[2]
-        elif tile == LARGE_SMEM_TILES.get(256) and not _tile_refusal(SOFTCAP_TILE_256, hd, hdv):
-            tile = SOFTCAP_TILE_256
+    if flags.get("softcap", False) and max(hd, hdv) == 256:
+        tile = _softcap_tile(tile, dtype, hd, hdv, flags.get("deterministic", False))
     return _config_for_tile(tile, dtype, head_dim, head_dim_v, hd, hdv, flags)
 
 
-def _softcap_spills(tile, dtype: str, flags: dict) -> bool:
-    """Whether head dim 256's `tile` spills for this soft-capped call (see `SOFTCAP_TILE_256`)."""
-    if not flags.get("softcap", False):
-        return False
-    deterministic = flags.get("deterministic", False)
-    if tile == LARGE_SMEM_TILES.get(256):
-        return deterministic
-    return deterministic or dtype == "float16"
+def _softcap_tile(tile, dtype: str, hd: int, hdv: int, deterministic: bool):
+    """The tile of a soft-capped call with a head dim of 256 in place of `tile` where `tile`
+    spills (the fp32 tanh tile is one more score-sized tile; the sweep finds these):
+    - 256 / 256 on the 8-warp tile (`LARGE_SMEM_TILES`) when deterministic, on the 4-warp one
+      when deterministic or fp16: `SOFTCAP_TILE_256`;
+    - unequal pairs, deterministic (8-32 B): 256 / 192 and 192 / 256 the 2-warp column tile;
+      128 / 256 and the like on the 8-warp tile `SOFTCAP_TILE_256` where it takes them."""
+    large = tile == LARGE_SMEM_TILES.get(256)
+    if hd == hdv:
+        return SOFTCAP_TILE_256 if deterministic or (dtype == "float16" and not large) else tile
+    if not deterministic:
+        return tile
+    if min(hd, hdv) > 128:
+        return ROW_COPY_FALLBACKS[2]
+    if large and not _tile_refusal(SOFTCAP_TILE_256, hd, hdv):
+        return SOFTCAP_TILE_256
+    return tile
 
 
 def _tile_refusal(tile, hd: int, hdv: int) -> Optional[str]:

@@ -205,13 +205,13 @@ class Sm90BwdConfig:
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
     # 0 the SM, 1 the steps (query blocks), 2-7 the low 32 bits of the global nanosecond timer at
-    # the start, K and V in, the first step's Q in, the third step's Q in (the end of the walk
-    # for walks of two steps or less), the end of the walk
-    # and the end of the epilogue; then per consumer warpgroup (8 + 8w) the SM clock cycles of
-    # thread 0 of the warpgroup spent, summed over its steps, in each of the `TIMELINE_PHASES`
-    # phases of a step -- waiting for Q / dO, issuing S^T (and dP^T) and waiting for S^T, forming
-    # P^T and waiting for dP^T, forming and storing dS^T up to the barrier, the dQ GEMM and its
-    # wait, handing dQ over, and the rest (dK's wait, the stage's release) -- and its step count.
+    # the start, K and V in, the first step's Q in, the third step's Q in (the end of the walk for
+    # walks of two steps or less), the end of the walk and the end of the epilogue; then per
+    # consumer warpgroup (8 + 8w) the SM clock cycles of thread 0 of the warpgroup spent, summed
+    # over its steps, in each of the `TIMELINE_PHASES` phases of a step -- waiting for Q / dO,
+    # issuing S^T (and dP^T) and waiting for S^T, forming P^T and waiting for dP^T, forming and
+    # storing dS^T up to the barrier, the dQ GEMM and its wait, handing dQ over, and the rest
+    # (dK's wait, the stage's release) -- and its step count.
     timeline: bool = False
 
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
@@ -315,8 +315,7 @@ class Sm90BwdConfig:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "timeline")
-                 if getattr(self, f)]
+                             "timeline") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
