@@ -34,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from timeline_lib import mean_us, phase_means, sm_time, unwrap_rows  # noqa: E402
+
 PHASES = ("Q/dO wait", "S issue + wait", "P + dP wait", "dS + barrier", "dQ GEMM", "dQ hand-over", "dK wait + release")
 RECORD_INTS = 24  # smid, steps, 6 stamps, 2 x (7 phases + steps)
 
@@ -55,59 +57,24 @@ class Summary:
     outside: list  # per warpgroup: cycles per step of the walk that no phase counted
 
 
-def unwrap(stamps):
-    """The low 32 bits of the nanosecond timer -> nanoseconds since the earliest stamp (a kernel
-    runs for far less than the 4.3 s the 32 bits span)."""
-    ref = stamps[0]
-    signed = [(t - ref) % (1 << 32) for t in stamps]
-    signed = [d - (1 << 32) if d >= 1 << 31 else d for d in signed]
-    first = min(signed)
-    return [d - first for d in signed]
-
-
 def summarize(records, clock_ghz: float) -> Summary:
     """The summary of one launch's records (rows of `RECORD_INTS` ints, as the kernel wrote
     them; unsigned 32-bit values). `clock_ghz`: the SM clock the phase cycles are converted at
     (from `clock_rate`)."""
-    rows = [list(r) for r in records]
-    flat = unwrap([t for r in rows for t in r[2:8]])
-    for i, r in enumerate(rows):
-        r[2:8] = flat[6 * i: 6 * i + 6]
-    n = len(rows)
-    span = max(r[7] for r in rows) - min(r[2] for r in rows)
-    by_sm = {}
-    for r in rows:
-        by_sm.setdefault(r[0], []).append(r)
-    busy = sum(r[7] - r[2] for r in rows)
-    between = idle_end = 0
-    end = max(r[7] for r in rows)
-    for ctas in by_sm.values():
-        ctas.sort(key=lambda r: r[2])
-        between += sum(max(0, b[2] - a[7]) for a, b in zip(ctas, ctas[1:]))
-        idle_end += end - ctas[-1][7]
-    total = span * len(by_sm)
-
-    def mean(values):
-        values = list(values)
-        return sum(values) / len(values) / 1000 if values else float("nan")
-
+    rows = unwrap_rows(records, 2, 6)
+    sms, span, busy, between, idle_end = sm_time(rows, 2, 7)
     long2 = [r for r in rows if r[1] > 2]
     long4 = [r for r in rows if r[1] > 4]
-    phases, outside = [], []
+    phases = phase_means(rows, 2, len(PHASES))
     walk_cycles = sum(r[6] - r[3] for r in rows) * clock_ghz
-    for wg in range(2):
-        base = 8 + 8 * wg
-        steps = sum(r[base + 7] for r in rows) or 1
-        phases.append([sum(r[base + i] for r in rows) / steps for i in range(len(PHASES))])
-        outside.append(walk_cycles / steps - sum(phases[-1]))
+    outside = [walk_cycles / (sum(r[15 + 8 * wg] for r in rows) or 1) - sum(phases[wg]) for wg in range(2)]
     return Summary(
-        ctas=n, sms=len(by_sm), span_us=span / 1000, clock_ghz=clock_ghz,
-        prologue_us=mean(r[4] - r[2] for r in rows),
-        first_two_us=mean(r[5] - r[4] for r in long2),
-        step_us=mean((r[6] - r[5]) / (r[1] - 2) for r in long4),
-        epilogue_us=mean(r[7] - r[6] for r in rows),
-        busy=busy / total, between=between / total, idle_end=idle_end / total, phases=phases,
-        outside=outside,
+        ctas=len(rows), sms=sms, span_us=span / 1000, clock_ghz=clock_ghz,
+        prologue_us=mean_us(r[4] - r[2] for r in rows),
+        first_two_us=mean_us(r[5] - r[4] for r in long2),
+        step_us=mean_us((r[6] - r[5]) / (r[1] - 2) for r in long4),
+        epilogue_us=mean_us(r[7] - r[6] for r in rows),
+        busy=busy, between=between, idle_end=idle_end, phases=phases, outside=outside,
     )
 
 

@@ -549,3 +549,34 @@ def test_bwd_timeline_overrides_are_checked_flags():
     assert narrow.tile_m == 64 and not narrow.dq_rows
     with pytest.raises(SystemExit, match="no flag"):
         tl.apply_overrides(base, {"no_such_flag": 1})
+
+
+def test_fwd_timeline_summary_and_records_from_the_lse():
+    import fwd_timeline as ft
+
+    def record(sm, blocks, start, cycles_per_block, wgs=2):
+        # Q in after 300 ns, the first block after 1000 more, later blocks of 500 ns, a 400 ns epilogue
+        t = [start, start + 300, start + 1300, start + 1300 + (blocks - 1) * 500, start + 1700 + (blocks - 1) * 500]
+        r = [sm, blocks, *t, 0]
+        for _ in range(wgs):
+            r += [cycles_per_block * (blocks - 1) // 7] * 7 + [blocks - 1]
+        return r + [0] * (ft.RECORD_INTS - len(r))
+
+    records = [record(0, 9, 0, 1400), record(0, 5, 5800, 1400), record(1, 3, 0, 1400),
+               [1, 0] + [0] * (ft.RECORD_INTS - 2)]  # a tile that saw no key: left out
+    s = ft.summarize(records, 2, clock_ghz=2.8)
+    assert s.tiles == 3 and s.sms == 2 and s.span_us == pytest.approx(9.5)
+    assert s.prologue_us == pytest.approx(0.3) and s.first_block_us == pytest.approx(1.0)
+    assert s.block_us == pytest.approx(0.5) and s.epilogue_us == pytest.approx(0.4)
+    assert s.between == pytest.approx(100 / (2 * 9500))
+    assert [round(c) for c in s.phases[1]] == [200] * 7
+    assert ft.clock_rate(records, 2) == pytest.approx(1400 * 8 // 7 * 7 / 4000)
+    assert "later block 0.500" in ft.format_summary(s)
+
+    lse = torch.zeros(1, 2, 300)  # tile_m 128: tiles at rows 0, 128 and 256 (44 rows: >= 32)
+    ints = lse.view(torch.int32)
+    for m in range(3):
+        ints[:, :, m * 128] = 7 + m
+    rows = ft.tile_records(lse, 128)
+    assert len(rows) == 6 and sorted({r[0] for r in rows}) == [7, 8, 9]
+    assert ft.tile_records(torch.zeros(1, 1, 140), 128) == [[0] * ft.RECORD_INTS]  # the 12-row tile has none

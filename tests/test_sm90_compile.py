@@ -45,6 +45,32 @@ def test_sm90_shipped_tiles_rescale_lazily_and_keep_the_eager_variant_compiled(h
     assert eager and all("eagerrescale" in c.name.split("_") for c in eager)
 
 
+def test_sm90_profiling_build_needs_the_lse_and_is_named():
+    from dataclasses import replace
+
+    base = fc.make_config("bfloat16", 128, 128, causal=True)
+    assert replace(base, timeline=True).name.endswith("_timeline")
+    with pytest.raises(ValueError, match="timeline"):
+        replace(base, timeline=True, has_lse=False)
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_sm90_profiling_build_compiles_without_spills_or_wgmma_serialization(headdim, tmp_path):
+    """`Sm90FwdConfig.timeline`: counters that spilled or serialized the WGMMAs would measure a
+    different kernel."""
+    from dataclasses import replace
+
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    config = replace(fc.make_config("bfloat16", headdim, headdim, causal=True), timeline=True)
+    target = audit.AuditTarget(config.name, "sm_90a", lambda options: fc.compile_fwd(config, options))
+    row = audit.audit_target(target, keep_dir=tmp_path)
+    assert row.error is None and not row.spills, (row.error, row.spill_stores, row.spill_loads)
+    assert "instructions are serialized" not in (tmp_path / config.name / "remarks.yaml").read_text()
+
+
 def test_sm90_config_is_a_hashable_cache_key_with_distinct_names():
     configs = fc.shipped_configs()
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))

@@ -357,3 +357,50 @@ def test_sm90_fwd_causal_cuda_graph_replays_take_every_tile(d):
         check_forward(out, lse, q, k, v, args)
         eager_out, eager_lse = _run(q, k, v, args)
         assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (256, False)])
+def test_sm90_fwd_profiling_build_writes_sane_records_and_the_same_output(d, causal):
+    """`Sm90FwdConfig.timeline` (benchmarks/fwd_timeline.py): O is the shipped build's, bit for
+    bit; its records replace the LSE of each tile's first 32 rows and nothing else, and hold the
+    tile's key-block count, stamps in order and every warpgroup's phase cycles."""
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    torch.manual_seed(3)
+    b, s, h = 2, 1000, 4
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    args = _args(d, causal)
+    backend = CuteSm90Backend()
+    a = backend.cache.args
+    runs = {}
+    shipped = backend.config(q, k, v, torch.empty(b, h, s, device="cuda"), args)
+    for config in (shipped, replace(shipped, timeline=True)):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((b, h, s), float("nan"), dtype=torch.float32, device="cuda")
+        fn, _ = backend.cache.get(config, backend.arch())
+        backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
+        torch.cuda.synchronize()
+        runs[config.timeline] = (out, lse)
+    (out0, lse0), (out1, lse1) = runs[False], runs[True]
+    assert torch.equal(out0, out1)
+    tile_m = shipped.tile_m
+    record_rows = torch.zeros(s, dtype=torch.bool)
+    for m in range(0, s, tile_m):
+        if s - m >= 32:
+            record_rows[m:m + 32] = True
+    assert torch.equal(lse0[..., ~record_rows], lse1[..., ~record_rows])
+    ints = lse1.view(torch.int32)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n_blocks = math.ceil(s / shipped.tile_n)
+    for m in range(0, s, tile_m):
+        if s - m < 32:
+            continue
+        last_row = min(m + tile_m, s) - 1
+        expected = min(n_blocks, last_row // shipped.tile_n + 1) if causal else n_blocks
+        for r in ints[..., m:m + 32].reshape(-1, 32).tolist():
+            assert 0 <= r[0] < sms and r[1] == expected
+            stamps = [(t - r[2]) % (1 << 32) for t in r[2:7]]
+            assert stamps == sorted(stamps) and stamps[-1] < 10 ** 9
+            for wg in range(shipped.num_consumer_wgs):
+                phases = [x % (1 << 32) for x in r[8 + 8 * wg: 15 + 8 * wg]]
+                assert r[15 + 8 * wg] == expected - 1 and (expected == 1 or sum(phases) > 0)

@@ -70,7 +70,7 @@ from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
 from ..common.softmax import OnlineSoftmax
 from ..common.tiles import LAZY_RESCALE_LOG2
 from ..common.utils import acc_mn_view, col_predicate, store_pairs_16bit, tanhf
-from .fwd_config import Sm90FwdConfig
+from .fwd_config import TIMELINE_PHASES, Sm90FwdConfig
 from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
 
 # Named barriers (0 is __syncthreads): the consumers' epilogue, one per consumer warpgroup (up to
@@ -593,6 +593,14 @@ class FlashFwdSm90:
         correction = cute.make_rmem_tensor(num_rows, Float32)
         if cutlass.const_expr(cfg.rescale_o_before_pv):
             correction.fill(1.0)  # the first block leaves no factor; O is still 0 then
+        # `timeline` (a profiling build): globaltimer stamps of this tile and clock cycles per
+        # phase of its later key blocks (see `Sm90FwdConfig.timeline`)
+        stamps = cute.make_rmem_tensor((5,), Int32)
+        phases = cute.make_rmem_tensor((TIMELINE_PHASES + 1,), Int32)
+        if cutlass.const_expr(cfg.timeline):
+            phases.fill(0)
+            stamps.fill(0)
+        self.stamp(stamps, 0)
 
         if cutlass.const_expr(cfg.pingpong and states is None):
             # The first warpgroup holds the first GEMM-issue turn.
@@ -606,6 +614,7 @@ class FlashFwdSm90:
             q_state, kv = states
         if n_block_max > n_block_min:
             pipeline_q.consumer_wait(q_state)
+            self.stamp(stamps, 1)
 
             # First block: carries the key-length tail (and the diagonal / window edge).
             n_last = n_block_max - 1
@@ -621,6 +630,7 @@ class FlashFwdSm90:
                 self.zero_unused_keys(sV, kv, seqlen.seqlen_k - n_last * cfg.tile_n, ctidx, pipeline_v)
             if cutlass.const_expr(not cfg.intra_wg_overlap):
                 kv = self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
+            self.stamp(stamps, 2)
 
             # Then the blocks that cross the causal diagonal / window edge, then the clean ones.
             n_split = n_last
@@ -633,13 +643,13 @@ class FlashFwdSm90:
                 kv = self.attend_block(
                     kv, n_last - 1 - i, cfg.causal, cfg.local, wg_idx, tiled_mma_qk, tiled_mma_pv,
                     tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
-                    mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
+                    mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases,
                 )
             for i in cutlass.range(n_split - n_block_min, unroll=1):
                 kv = self.attend_block(
                     kv, n_split - 1 - i, False, False, wg_idx, tiled_mma_qk, tiled_mma_pv,
                     tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
-                    mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
+                    mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases,
                 )
             if cutlass.const_expr(states is not None):
                 # every S GEMM of the tile is waited for: the next tile's Q may come in
@@ -649,9 +659,14 @@ class FlashFwdSm90:
                 if cutlass.const_expr(cfg.rescale_o_before_pv):
                     self.rescale_O(softmax, acc_O, correction)
                 kv = self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
+            self.stamp(stamps, 3)
 
         self.epilogue(acc_O, softmax, mO, mLSE, tma_O, tma_mO, sO, seqlen, tiled_mma_pv, thr_mma_pv,
                       ctidx, warp_idx, m_block, head, batch)
+        if cutlass.const_expr(cfg.timeline):
+            self.stamp(stamps, 4)
+            self.write_timeline(stamps, phases, mLSE, seqlen, m_block, head, batch, n_block_max - n_block_min,
+                                ctidx, wg_idx)
         if cutlass.const_expr(states is not None):
             return q_state, kv
 
@@ -660,7 +675,7 @@ class FlashFwdSm90:
         self, kv, n_block, mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr, wg_idx,
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v,
         softmax: OnlineSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
-        softcap_prescale,
+        softcap_prescale, phases,
     ):
         """One key block n; `kv` is the ring slot to read next, the returned one the slot after.
 
@@ -673,9 +688,12 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.intra_wg_overlap):
             kv_s = kv.clone()
             kv_s.advance()
+        tick = self.tick(phases, -1, Int32(0))
         pipeline_k.consumer_wait(kv_s)
+        tick = self.tick(phases, 0, tick)
         if cutlass.const_expr(cfg.pingpong):
             cute.arch.barrier(barrier_id=BARRIER_PINGPONG + wg_idx, number_of_threads=256)
+        tick = self.tick(phases, 1, tick)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
         gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], zero_init=True)
         if cutlass.const_expr(cfg.rescale_o_before_pv):
@@ -688,19 +706,60 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.pingpong):
             next_wg = (wg_idx + 1) % cfg.num_consumer_wgs
             cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG + next_wg, number_of_threads=256)
+        tick = self.tick(phases, 2, tick)
         warpgroup.wait_group(1 if cutlass.const_expr(cfg.intra_wg_overlap) else 0)  # S is in
+        tick = self.tick(phases, 3, tick)
         pipeline_k.consumer_release(kv_s)
         self.scores_to_probs(acc_S, n_block, False, False, mask_causal, mask_local,
                              softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
+        tick = self.tick(phases, 4, tick)
         if cutlass.const_expr(cfg.intra_wg_overlap):
             warpgroup.wait_group(0)  # P·V is done with rP and acc_O
             pipeline_v.consumer_release(kv)
+        tick = self.tick(phases, 5, tick)
         if cutlass.const_expr(not cfg.rescale_o_before_pv):
             self.rescale_O(softmax, acc_O, correction)
         self.probs_to_16bit(acc_S, rP)
         if cutlass.const_expr(not cfg.intra_wg_overlap):
             kv_s = self.pv_block(kv_s, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
+        tick = self.tick(phases, 6, tick)
+        if cutlass.const_expr(cfg.timeline):
+            phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
         return kv_s
+
+    @cute.jit
+    def stamp(self, stamps, i: cutlass.Constexpr):
+        """`timeline`: the low 32 bits of the global nanosecond timer into `stamps[i]`."""
+        if cutlass.const_expr(self.cfg.timeline):
+            stamps[i] = cute.arch.globaltimer_lo()
+
+    @cute.jit
+    def tick(self, phases, i: cutlass.Constexpr, last):
+        """`timeline`: the SM clock now; the cycles since `last` are added to phase `i` (none for
+        `i` = -1). Without `timeline` nothing is read."""
+        now = last
+        if cutlass.const_expr(self.cfg.timeline):
+            now = Int32(cute.arch.clock64())
+            if cutlass.const_expr(i >= 0):
+                phases[i] = phases[i] + (now - last)
+        return now
+
+    @cute.jit
+    def write_timeline(self, stamps, phases, mLSE, seqlen: SeqlenInfo, m_block, head, batch, blocks, ctidx, wg_idx):
+        """`timeline`: this tile's record over the LSE of its first 32 query rows, after the
+        epilogue (whose barriers order its LSE stores first); none for a tile with fewer rows."""
+        cfg = self.cfg
+        if seqlen.seqlen_q - m_block * cfg.tile_m >= 32:
+            gLSE = cute.local_tile(seqlen.lse_row(mLSE, batch, head), (cfg.tile_m,), (m_block,))
+            row = cute.make_tensor(cute.recast_ptr(gLSE.iterator, dtype=Int32), cute.make_layout(32))
+            if ctidx == 0:
+                row[0] = cute.arch.smid()
+                row[1] = blocks
+                for i in cutlass.range_constexpr(5):
+                    row[2 + i] = stamps[i]
+            if ctidx % 128 == 0:
+                for i in cutlass.range_constexpr(TIMELINE_PHASES + 1):
+                    row[8 + wg_idx * 8 + i] = phases[i]
 
     @cute.jit
     def rescale_O(self, softmax: OnlineSoftmax, acc_O, correction):

@@ -108,9 +108,22 @@ class Sm90FwdConfig:
     # A persistent CTA takes its tiles from a global counter, longest first, instead of a fixed
     # stride (make_config: causal): tiles of unequal length then end together.
     tile_counter: bool = False
+    # A profiling build (`benchmarks/fwd_timeline.py`; `make_config` never sets it): each tile
+    # writes a record over the LSE of its first 32 query rows (tiles with fewer rows in their
+    # sequence write none), which is then no LSE; O is unchanged. As int32s: 0 the SM, 1 the key
+    # blocks, 2-6 the low 32 bits of the global nanosecond timer when the tile starts, its Q is
+    # in, its first key block is done, its last one is done and its epilogue is done; then per
+    # consumer warpgroup (8 + 8w) the SM clock cycles of thread 0 of the warpgroup, summed over
+    # the tile's later key blocks, in each of the `TIMELINE_PHASES` phases of a block -- waiting
+    # for K, waiting for its GEMM-issue turn (ping-pong), issuing S and P·V (and waiting for V),
+    # waiting for S, the softmax, waiting for P·V, and O's rescale with P's conversion -- and
+    # their count.
+    timeline: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
+        if self.timeline and (not self.has_lse or self.num_consumer_wgs > 3):
+            raise ValueError("timeline writes its records over the LSE: it needs has_lse (and at most 3 warpgroups)")
         if self.tile_counter and not self.persistent:
             raise ValueError("tile_counter hands tiles to persistent CTAs; it needs persistent")
         if self.tile_m != 64 * self.num_consumer_wgs:
@@ -164,9 +177,15 @@ class Sm90FwdConfig:
             flags.append("persistent")
         if self.tile_counter:
             flags.append("counter")
+        if self.timeline:
+            flags.append("timeline")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}wg{self.num_consumer_wgs}s{self.num_stages}"
         return "_".join(["fwd_sm90", self.dtype, hd, tile] + flags)
+
+
+# `Sm90FwdConfig.timeline`: the phases of a key block whose clock cycles a profiling build counts
+TIMELINE_PHASES = 7
 
 
 def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdConfig:
