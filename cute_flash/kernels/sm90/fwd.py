@@ -665,7 +665,8 @@ class FlashFwdSm90:
                       ctidx, warp_idx, m_block, head, batch)
         if cutlass.const_expr(cfg.timeline):
             self.stamp(stamps, 4)
-            self.write_timeline(stamps, phases, mLSE, seqlen, m_block, head, batch, n_block_max - n_block_min,
+            self.write_timeline(stamps, phases, mLSE, seqlen, m_block, head, batch,
+                                cutlass.max(n_block_max - n_block_min, 0),
                                 ctidx, wg_idx)
         if cutlass.const_expr(states is not None):
             return q_state, kv
