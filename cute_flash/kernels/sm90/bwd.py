@@ -222,7 +222,19 @@ class FlashBwdSm90:
         )
 
         K_major, MN_major = OperandMajorMode.K, OperandMajorMode.MN
-        if cutlass.const_expr(cfg.dkv_split):
+        if cutlass.const_expr(cfg.keys_n):
+            # the keys on N: S / dP (queries x keys) and dK^T / dV^T (head dim x keys), warpgroup w
+            # taking keys [48w, 48w + 48); A operands Q, dO (K-major) and Q^T, dO^T (MN-major)
+            wgs = (1, NUM_CONSUMER_WGS, 1)
+            n_wg = cfg.tile_n // NUM_CONSUMER_WGS
+            tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, K_major, Float32, wgs, (64, n_wg)
+            )
+            tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_major, K_major, Float32, wgs, (64, n_wg)
+            )
+            tiled_mma_dV = tiled_mma_dK
+        elif cutlass.const_expr(cfg.dkv_split):
             # the 64 keys are both warpgroups': S^T / dP^T split over the queries, dK / dV over
             # the columns, with P^T and dS^T read from shared memory
             wgs = (1, NUM_CONSUMER_WGS, 1)
@@ -389,7 +401,8 @@ class FlashBwdSm90:
                         self.write_dq(tma_dQ, tma_mdQ, sdQ, seqlen, head_k, batch, group, m_block_min, m_steps)
             else:
                 cute.arch.setmaxregister_increase(cfg.registers[0])
-                self.consume(
+                consume = self.consume_keys_n if cutlass.const_expr(cfg.keys_n) else self.consume
+                consume(
                     tidx - 128, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv,
                     pipeline_q,
                     tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, seqlen, n_block, head_k, batch,
@@ -764,6 +777,173 @@ class FlashBwdSm90:
             self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
 
     @cute.jit
+    def consume_keys_n(
+        self, ctidx, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv, pipeline_q,
+        tiled_mma_SdP: cute.TiledMma, tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma,
+        tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, group, m_block_min, m_steps,
+        left, right, softmax_scale, softmax_scale_log2, softcap_prescale,
+    ):
+        """The consumer warpgroups of the `keys_n` tile (head dim 192, 96 keys per CTA): warpgroup w
+        owns keys [48w, 48w + 48) and keeps dK^T and dV^T (the whole head dims x its keys) in fp32
+        registers. Per query block:
+
+            S  = Q K_w^T,  dP = dO V_w^T            (A = Q, dO; B = K, V rows: shared memory)
+            P  = exp2(S * scale_log2 - LSE_log2[query])   0 where masked
+            P  -> shared memory as P^T (keys x queries), then dV^T += dO^T P   (B = P^T)
+            dS = P * (dP - D[query])  -> shared memory as dS^T, then both warpgroups' are waited for
+            dQ = dS K[:, half w]  (all 96 keys: the dQ tile of `dq_split`, to the writer warp)
+            dK^T += Q^T dS                                       (B = dS^T)
+
+        The tails, masks, soft-capping and the dQ writer are those of `consume`; dK and dV go out
+        through the shared memory of K and V."""
+        cfg = self.cfg
+        wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
+        thr_mma_SdP = tiled_mma_SdP.get_slice(ctidx)
+        thr_mma_dKV = tiled_mma_dK.get_slice(ctidx)
+        thr_mma_dQ = tiled_mma_dQ.get_slice(ctidx % 128)
+
+        tSrQ = tiled_mma_SdP.make_fragment_A(thr_mma_SdP.partition_A(sQ))
+        tSrK = tiled_mma_SdP.make_fragment_B(thr_mma_SdP.partition_B(sK))
+        tdPrdO = tiled_mma_SdP.make_fragment_A(thr_mma_SdP.partition_A(sdO))
+        tdPrV = tiled_mma_SdP.make_fragment_B(thr_mma_SdP.partition_B(sV))
+        # dV^T / dK^T: A the MN-major views of dO and Q, B the warpgroup's keys of P^T / dS^T
+        tdVrdOt = tiled_mma_dK.make_fragment_A(thr_mma_dKV.partition_A(transposed(sdO)))
+        tdKrQt = tiled_mma_dK.make_fragment_A(thr_mma_dKV.partition_A(transposed(sQ)))
+        tdKVrPdS = tiled_mma_dK.make_fragment_B(thr_mma_dKV.partition_B(sdS))  # (..., ds_stages + 1)
+        # dQ: A = dS (MN-major view of dS^T, all 96 keys), B = K^T over this warpgroup's columns
+        tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS)))
+        sK_wg = cute.local_tile(sK, (cfg.tile_n, cfg.dq_cols), (0, wg_idx))
+        tdQrKt = tiled_mma_dQ.make_fragment_B(thr_mma_dQ.partition_B(transposed(sK_wg)))
+        # P and dS (queries x keys fragments) into the (keys, queries) tiles: transposing stmatrix
+        stsm_PdS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(True, 4), self.dtype), tiled_mma_SdP
+        ).get_slice(ctidx)
+        tPdSsPdS = stsm_PdS.partition_D(transposed(sdS))  # (..., ds_stages + 1)
+        p_stage = cfg.ds_stages
+        sdQ_wg = sdQ[None, None, wg_idx, None]
+        r2s_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ
+        ).get_slice(ctidx % 128)
+        tdQsdQ = r2s_dQ.partition_D(sdQ_wg)
+
+        tile_S = (cfg.tile_m, cfg.tile_n)
+        # (query, key) coordinates: this thread's first and thread 0's (see `consume`)
+        cS = cute.make_identity_tensor(tile_S)
+        thr_query, thr_key = acc_mn_view(acc_as_mma_sync(thr_mma_SdP.partition_C(cS)))[0, 0]
+        t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_SdP.get_slice(0).partition_C(cS)))
+        rP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
+        rdS = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
+        acc_dK = cute.make_rmem_tensor(thr_mma_dKV.partition_shape_C((cfg.head_dim, cfg.tile_n)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_mma_dKV.partition_shape_C((cfg.head_dim_v, cfg.tile_n)), Float32)
+        rows_k = seqlen.seqlen_k - n_block * cfg.tile_n
+
+        if m_steps > 0:
+            pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            if cutlass.const_expr(cfg.seqused_k or cfg.varlen_k):
+                if rows_k < cfg.tile_n:
+                    self.zero_rows(sK, cfg.head_dim, rows_k, ctidx, wg_idx)
+                    self.zero_rows(sV, cfg.head_dim_v, rows_k, ctidx, wg_idx)
+                    cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by WGMMA
+                    # the dQ GEMMs of both warpgroups read every row of K
+                    cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+
+            offset = seqlen.seqlen_k - seqlen.seqlen_q
+            n_lo = n_block * cfg.tile_n
+            stat_query = thr_query
+            if cutlass.const_expr(cfg.varlen_q):
+                stat_query = thr_query + seqlen.offset_q % STAT_ALIGN
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+            for it in cutlass.range(m_steps * group, unroll=1):
+                head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
+                m_lo = m_block * cfg.tile_m
+                stage = state.index
+                pipeline_q.consumer_wait(state)
+                sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
+                sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
+                acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
+                acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
+                gemm(tiled_mma_SdP, acc_S, tSrQ[None, None, None, stage], tSrK, zero_init=True)
+                if cutlass.const_expr(not cfg.softcap):
+                    gemm(tiled_mma_SdP, acc_dP, tdPrdO[None, None, None, stage], tdPrV, zero_init=True)
+                if cutlass.const_expr(cfg.dq_fence_late):
+                    if it > 0:
+                        self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
+                warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S is in
+
+                masked = (n_lo + cfg.tile_n > seqlen.seqlen_k) | (m_lo + cfg.tile_m > seqlen.seqlen_q)
+                if cutlass.const_expr(cfg.causal or cfg.local):
+                    masked = masked | (n_lo + cfg.tile_n - 1 > m_lo + offset + right)
+                if cutlass.const_expr(cfg.local):
+                    masked = masked | (n_lo < m_lo + cfg.tile_m - 1 + offset - left)
+                if masked:
+                    key0, query0 = n_lo + thr_key, m_lo + thr_query
+                    limits = (
+                        seqlen.seqlen_k - key0,
+                        seqlen.seqlen_q - query0,
+                        query0 + offset + right - key0,
+                        query0 + offset - left - key0,
+                    )
+                    self.probs(acc_S, rP, sLSE_thr, None, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale,
+                               query_mode=0)
+                else:
+                    self.probs(acc_S, rP, sLSE_thr, None, t0ScS_mn, None, softmax_scale_log2, softcap_prescale,
+                               query_mode=0)
+                if cutlass.const_expr(cfg.softcap):
+                    gemm(tiled_mma_SdP, acc_dP, tdPrdO[None, None, None, stage], tdPrV, zero_init=True)
+                else:
+                    rP.store(acc_S.load().to(self.dtype))
+                # this warpgroup's P^T rows, read only by its own dV^T GEMM (waited for below)
+                cute.copy(stsm_PdS, stsm_PdS.retile(rP), tPdSsPdS[None, None, None, p_stage])
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                gemm_accumulate_if(tiled_mma_dK, acc_dV, tdVrdOt[None, None, None, stage],
+                                   tdKVrPdS[None, None, None, p_stage], it > 0)
+                warpgroup.wait_group(1)  # dP is in; dV^T runs on
+
+                # dS = P (dP - D), with soft-capping P (1 - tanh^2) (dP - D)
+                acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
+                acc_dP_mn = acc_mn_view(acc_as_mma_sync(acc_dP))
+                for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                    d_row = sD_thr[t0ScS_mn[r, 0][0]]
+                    for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
+                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
+                rdS.store(acc_dP.load().to(self.dtype))
+                ds_stage = it % cfg.ds_stages
+                cute.copy(stsm_PdS, stsm_PdS.retile(rdS), tPdSsPdS[None, None, None, ds_stage])
+                cute.arch.fence_view_async_shared()
+                # both warpgroups' dS^T rows are in (see `consume` for the two buffers)
+                cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+                acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.tile_m, cfg.dq_cols)), Float32)
+                gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
+                gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrQt[None, None, None, stage],
+                                   tdKVrPdS[None, None, None, ds_stage], it > 0)
+                warpgroup.wait_group(1)  # dV^T and dQ are in; dK^T runs on
+
+                buf = it % cfg.dq_stages
+                if it >= cfg.dq_stages:  # the writer warp's last reduce-add from this tile has read it
+                    cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf),
+                                      number_of_threads=128 + 32)
+                cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
+                if cutlass.const_expr(not cfg.dq_fence_late):
+                    self.hand_over_dq(wg_idx, buf)
+                warpgroup.wait_group(0)  # dK^T is in: the end of every read of this stage
+                pipeline_q.consumer_release(state)
+                state.advance()
+            if cutlass.const_expr(cfg.dq_fence_late):
+                self.hand_over_dq(wg_idx, (m_steps * group - 1) % cfg.dq_stages)
+            acc_dK.store(acc_dK.load() * softmax_scale)
+            # every dQ GEMM (both warpgroups read all of K) is done before K's memory is rewritten
+            cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+            self.stage_acc(acc_dK, sK, tiled_mma_dK, ctidx, transpose=True)
+            self.stage_acc(acc_dV, sV, tiled_mma_dK, ctidx, transpose=True)
+        else:  # no query block sees these keys: dK = dV = 0
+            self.zero_rows(sK, cfg.head_dim, 0, ctidx, wg_idx)
+            self.zero_rows(sV, cfg.head_dim_v, 0, ctidx, wg_idx)
+        cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+        self.store_staged_tile(sK, mdK, seqlen, batch, head_k, n_block, rows_k, cfg.head_dim, ctidx)
+        self.store_staged_tile(sV, mdV, seqlen, batch, head_k, n_block, rows_k, cfg.head_dim_v, ctidx)
+
+    @cute.jit
     def stamp(self, stamps, i: cutlass.Constexpr):
         """`timeline`: the low 32 bits of the global nanosecond timer into `stamps[i]`."""
         if cutlass.const_expr(self.cfg.timeline):
@@ -819,7 +999,8 @@ class FlashBwdSm90:
         return r
 
     @cute.jit
-    def probs(self, acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale):
+    def probs(self, acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale,
+              query_mode: cutlass.Constexpr = 1):
         """P^T = exp2(S^T * scale_log2 - LSE_log2[query]), in place in acc_S (fp32).
 
         With soft-capping, S^T is first t = tanh(S^T * scale / softcap) and the chain rule needs
@@ -827,20 +1008,24 @@ class FlashBwdSm90:
         product P^T (1 - t^2), the one factor dS^T needs -- one fp32 tile instead of two.
         `lse_r`: this thread's LSE entries in registers (`stats_early`), or None to read them from
         `sLSE_thr`. With `limits` (the masked path, see `consume`), hidden (key, query) pairs get P = 0:
-        keys past seqlen_k, queries past seqlen_q, and pairs outside the causal / local window."""
+        keys past seqlen_k, queries past seqlen_q, and pairs outside the causal / local window.
+        `query_mode`: the mode of the tile's queries, 1 in S^T (keys x queries) and 0 in the
+        (queries x keys) S of `keys_n`."""
         cfg = self.cfg
+        key_mode = 1 - query_mode
         acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
         rP_mn = acc_mn_view(acc_as_mma_sync(rP))
-        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            q = t0ScS_mn[0, c][1]
-            lse = lse_r[c] if cutlass.const_expr(lse_r is not None) else sLSE_thr[q]
-            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                s = acc_S_mn[r, c]
+        for i in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[query_mode])):
+            q = t0ScS_mn[(0, i) if cutlass.const_expr(query_mode == 1) else (i, 0)][query_mode]
+            lse = lse_r[i] if cutlass.const_expr(lse_r is not None) else sLSE_thr[q]
+            for j in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[key_mode])):
+                rc = (j, i) if cutlass.const_expr(query_mode == 1) else (i, j)
+                s = acc_S_mn[rc]
                 if cutlass.const_expr(cfg.softcap):
                     s = tanhf(s * softcap_prescale)
                 p = exp2f(s * softmax_scale_log2 - lse)
                 if cutlass.const_expr(limits is not None):
-                    k = t0ScS_mn[r, c][0]
+                    k = t0ScS_mn[rc][key_mode]
                     hidden = (k >= limits[0]) | (q >= limits[1])
                     if cutlass.const_expr(cfg.causal or cfg.local):
                         hidden = hidden | (k - q > limits[2])
@@ -848,9 +1033,9 @@ class FlashBwdSm90:
                         hidden = hidden | (k - q < limits[3])
                     p = Float32(0.0) if hidden else p
                 if cutlass.const_expr(cfg.softcap):
-                    rP_mn[r, c] = p.to(self.dtype)
+                    rP_mn[rc] = p.to(self.dtype)
                     p = p * (1.0 - s * s)
-                acc_S_mn[r, c] = p
+                acc_S_mn[rc] = p
 
     @cute.jit
     def zero_rows(self, sX, cols: cutlass.Constexpr, rows_valid, ctidx, wg_idx):
@@ -890,14 +1075,16 @@ class FlashBwdSm90:
         return cute.make_tensor(sX.iterator, layout.outer)
 
     @cute.jit
-    def stage_acc(self, acc, sT, tiled_mma: cute.TiledMma, ctidx):
-        """The fp32 accumulator `acc` rounded to the input dtype into `sT` by stmatrix."""
+    def stage_acc(self, acc, sT, tiled_mma: cute.TiledMma, ctidx, transpose: cutlass.Constexpr = False):
+        """The fp32 accumulator `acc` rounded to the input dtype into `sT` by stmatrix; with
+        `transpose` `acc` is the (cols, rows) tile of `sT` (`keys_n`: dK^T, dV^T) and stmatrix
+        transposes its 8 x 8 blocks."""
         stsm = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose, 4), self.dtype), tiled_mma
         ).get_slice(ctidx)
         rX = cute.make_fragment_like(acc, self.dtype)
         rX.store(acc.load().to(self.dtype))
-        cute.copy(stsm, stsm.retile(rX), stsm.partition_D(sT))
+        cute.copy(stsm, stsm.retile(rX), stsm.partition_D(transposed(sT) if cutlass.const_expr(transpose) else sT))
 
     @cute.jit
     def store_staged_tile(self, sT, mX, seqlen: SeqlenInfo, batch, head_k, n_block, rows, tile_d: cutlass.Constexpr,

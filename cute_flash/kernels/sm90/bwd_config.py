@@ -74,6 +74,7 @@ class BwdTile(NamedTuple):
     dq_rows: bool = False  # see `Sm90BwdConfig.dq_rows`
     dv_after_ds: bool = False  # see `Sm90BwdConfig.dv_after_ds`
     dkv_split: bool = False  # see `Sm90BwdConfig.dkv_split`
+    keys_n: bool = False  # see `Sm90BwdConfig.keys_n`
 
 
 # keyed by the padded head dim
@@ -85,7 +86,7 @@ TILES = {
                  dq_fence_late=("masked",), dk_behind_dq=True),
     # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); at 256 one
     # stage of (Q, dO): two do not fit next to K, V, P^T, dS^T and the dQ tiles
-    192: BwdTile(64, 2, dq_split=True, dq_writer=True, dkv_split=True),
+    192: BwdTile(64, 2, dq_split=True, dq_writer=True, dkv_split=True, keys_n=True),
     256: BwdTile(64, 1, dq_split=True, dq_writer=True, dkv_split=True),
 }
 
@@ -202,6 +203,15 @@ class Sm90BwdConfig:
     # S^T and dP^T for half of the block's queries; P^T and dS^T go to shared memory, and dV += P^T dO,
     # dK += dS^T Q and dQ = dS K read them from there (A operands in shared memory).
     dkv_split: bool = False
+    # With `dkv_split` at head dim 192: 96 keys per CTA instead of 64, 48 per warpgroup, with the
+    # keys on the N side of every GEMM (flash-attn-4's tile there): S = Q K^T and dP = dO V^T
+    # (64 queries x the warpgroup's 48 keys), P and dS to shared memory transposed (stmatrix
+    # .trans), dV^T += dO^T P and dK^T += Q^T dS (the whole head dim x the warpgroup's keys, A
+    # operands dO^T / Q^T in shared memory), and dQ = dS K over all 96 keys for the warpgroup's
+    # half of the columns. The S and dP GEMMs are m64n48 over the head dim instead of m64n32,
+    # and every Q / dO block is read for 96 keys instead of 64. dK and dV are staged in the
+    # shared memory of K and V for their stores.
+    keys_n: bool = False
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
     # 0 the SM, 1 the steps (query blocks), 2-7 the low 32 bits of the global nanosecond timer at
@@ -219,7 +229,10 @@ class Sm90BwdConfig:
 
     @property
     def tile_n(self) -> int:
-        """Keys per CTA: 64 per consumer warpgroup, or 64 shared by both (`dkv_split`)."""
+        """Keys per CTA: 64 per consumer warpgroup, or 64 shared by both (`dkv_split`), or 48 per
+        warpgroup (`keys_n`)."""
+        if self.keys_n:
+            return 48 * NUM_CONSUMER_WGS
         return 64 if self.dkv_split else 64 * NUM_CONSUMER_WGS
 
     def __post_init__(self):
@@ -233,6 +246,11 @@ class Sm90BwdConfig:
             if self.head_dim_v not in SPLIT_HEADDIMS:
                 # each warpgroup's half of V's columns is an MN-major operand: whole swizzle atoms
                 raise ValueError(f"dkv_split needs head dim of V in {SPLIT_HEADDIMS}; got {self.head_dim_v}")
+            if self.keys_n and (self.head_dim != 192 or self.head_dim_v > 192 or self.timeline):
+                raise ValueError(f"keys_n is a tile of head dim 192 (V's up to 192) without the profiling build; "
+                                 f"got {self.head_dim} / {self.head_dim_v}")
+        elif self.keys_n:
+            raise ValueError("keys_n needs dkv_split")
         elif max(self.head_dim, self.head_dim_v) > 128:
             raise ValueError(f"head dim {max(self.head_dim, self.head_dim_v)} needs dkv_split")
         elif self.head_dim != self.head_dim_v:
@@ -294,6 +312,8 @@ class Sm90BwdConfig:
         one with one stage, where no warpgroup gets a step ahead."""
         if not self.dkv_split:
             return 0
+        if self.keys_n:  # a warpgroup reads only its own P, and waits for that before the next step
+            return 1
         return self.ds_stages if self.num_stages > 1 else 1
 
     @property
@@ -315,7 +335,7 @@ class Sm90BwdConfig:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "timeline") if getattr(self, f)]
+                             "keys_n", "timeline") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -353,6 +373,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dq_rows", tile.dq_rows)
     flags.setdefault("dv_after_ds", tile.dv_after_ds)
     flags.setdefault("dkv_split", tile.dkv_split)
+    flags.setdefault("keys_n", tile.keys_n)
     flags.setdefault("lpt", flags.get("causal", False))
     flags.setdefault("dkv_staged", True)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
