@@ -24,7 +24,8 @@ def test_sm90_bwd_tile_table_fits_shared_memory_and_registers(headdim):
     config = bc.make_config("bfloat16", headdim, headdim)
     assert config.smem_bytes <= bc.SMEM_LIMIT
     # 64 keys per consumer warpgroup, or 64 shared by both with dK / dV / dQ split over their columns
-    assert config.tile_n == (64 if config.dkv_split else 64 * bc.NUM_CONSUMER_WGS)
+    # (48 per warpgroup with the keys on N: `keys_n`)
+    assert config.tile_n == (96 if config.keys_n else 64 if config.dkv_split else 64 * bc.NUM_CONSUMER_WGS)
     assert config.dkv_split == (headdim in (192, 256))
     consumer, producer = config.registers
     assert 128 * producer + 128 * bc.NUM_CONSUMER_WGS * consumer <= 64 * 1024
@@ -94,11 +95,40 @@ def test_sm90_bwd_refuses_a_headdim_of_v_that_differs_by_name():
         bc.make_config("bfloat16", 192, 96)  # 48 columns of V per warpgroup: not whole swizzle atoms
 
 
-@pytest.mark.parametrize("d,dv", [(192, 128), (256, 128), (128, 256), (256, 64), (64, 256), (200, 120)])
+@pytest.mark.parametrize("d,dv", [(192, 128), (256, 128), (128, 256), (256, 64), (64, 256), (200, 120), (192, 64)])
 def test_sm90_bwd_unequal_head_dims_above_128_take_the_column_split_tile(d, dv):
     config = bc.make_config("bfloat16", d, dv)
-    assert config.dkv_split and config.tile_n == 64 and config.smem_bytes <= bc.SMEM_LIMIT
+    assert config.dkv_split and config.smem_bytes <= bc.SMEM_LIMIT
+    # head dim 192 with a narrower V: 96 keys, 48 per warpgroup (`keys_n`)
+    assert config.tile_n == (96 if d == 192 else 64) and config.keys_n == (d == 192)
     assert config.dq_cols == config.head_dim // 2
+
+
+@pytest.mark.parametrize("flags", [{}, {"varlen_q": True}, {"varlen_q": True, "varlen_k": True, "causal": True}])
+def test_sm90_bwd_keys_n_tile_only_with_two_stages(flags):
+    # two (Q, dO) stages of the 96-key tile fill shared memory to the limit at 192 / 128, the
+    # varlen LSE / D boxes included (LSE in the mbarriers' padding, D after the dQ tiles); with V's
+    # head dim 192 only one fits, and the call takes the 64-key tile (one stage of the 96-key
+    # tile measured 1.3x slower than it)
+    config = bc.make_config("bfloat16", 192, 128, **flags)
+    assert config.keys_n and config.num_stages == 2 and config.smem_bytes <= bc.SMEM_LIMIT
+    wide_v = bc.make_config("bfloat16", 192, 192, **flags)
+    assert not wide_v.keys_n and wide_v.tile_n == 64
+    assert bc._unchecked({**vars(wide_v), "keys_n": True, "num_stages": 2}).smem_bytes > bc.SMEM_LIMIT
+    # asked for explicitly, the 96-key tile is kept, in one stage where two do not fit
+    asked = bc.make_config("bfloat16", 192, 192, keys_n=True, **flags)
+    assert asked.keys_n and asked.num_stages == 1 and asked.smem_bytes <= bc.SMEM_LIMIT
+
+
+def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
+    config = bc.make_config("bfloat16", 192, 128)
+    assert config.p_stages == 1 and config.ds_stages == 2
+    with pytest.raises(ValueError, match="keys_n needs dkv_split"):
+        replace(bc.make_config("bfloat16", 128, 128), keys_n=True)
+    with pytest.raises(ValueError, match="head dim 192"):
+        replace(bc.make_config("bfloat16", 256, 256), keys_n=True)
+    with pytest.raises(ValueError, match="profiling"):
+        replace(config, timeline=True)
 
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
@@ -110,8 +140,8 @@ def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
 def test_sm90_bwd_config_names_tell_apart_every_flag():
     base = bc.make_config("bfloat16", 128, 128)  # every flag can flip at head dim 128
     for f in fields(base):
-        if f.name == "dkv_split":
-            continue  # head dim 256 only: below
+        if f.name in ("dkv_split", "keys_n"):
+            continue  # head dims 192 / 256 only: below
         if isinstance(getattr(base, f.name), bool):
             flipped = {f.name: not getattr(base, f.name)}
             if f.name == "dq_writer":
@@ -128,6 +158,8 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
     wide = bc.make_config("bfloat16", 64, 64)
     assert replace(wide, dv_after_ds=False).name != wide.name
     assert "dkv_split" in bc.make_config("bfloat16", 256, 256).name
+    keys_n = bc.make_config("bfloat16", 192, 128)
+    assert replace(keys_n, keys_n=False).name != keys_n.name
     assert replace(wide, dq_rows=False, tile_m=64).name != wide.name
 
 
@@ -304,6 +336,8 @@ COMPILED = [
     bc.make_config("float16", 72, 72),
     bc.make_config("bfloat16", 256, 256, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
     bc.make_config("float16", 192, 192, causal=True),
+    # the 96-key tile (`keys_n`), whose shared memory is exactly the limit with the varlen boxes
+    bc.make_config("bfloat16", 192, 128, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
     # the profiling build (`timeline`): counters that spilled or serialized would measure nothing
     replace(bc.make_config("bfloat16", 128, 128, causal=True), timeline=True),
 ]

@@ -165,7 +165,7 @@ def test_sm90_bwd_ignores_a_stale_cache_past_seqused_k(d):
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,dv", [(192, 128), (256, 128), (128, 256), (256, 64), (64, 256), (200, 120)])
+@pytest.mark.parametrize("d,dv", [(192, 128), (256, 128), (128, 256), (256, 64), (64, 256), (200, 120), (192, 64)])
 def test_sm90_bwd_unequal_head_dims(d, dv, causal, seqlen_q, seqlen_k):
     """Head dims of Q and V that differ (above 128: the column-split tile), e.g. MLA's 192 / 128."""
     torch.manual_seed(d + dv + seqlen_q)

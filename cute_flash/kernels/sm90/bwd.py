@@ -58,6 +58,11 @@ formed in registers and dK/dV are written once, in the input dtype.
    and dS^T columns to shared memory, and after a barrier of both issues dV += P^T dO,
    dK += dS^T Q and dQ = dS K for its half of the head dim's columns, every A operand read from
    shared memory. Q, dO and K take swizzle atoms that tile a half row (`split_atom`).
+   Head dim 192 with V's head dim up to 128 (`keys_n`, `consume_keys_n`): 96 keys per CTA, 48
+   per warpgroup, with the keys on the N side of every GEMM -- S = Q K^T and dP = dO V^T are
+   m64n48 instead of m64n32, and each Q / dO block serves 96 keys instead of 64; P and dS go to
+   shared memory transposed (stmatrix .trans) for dV^T += dO^T P and dK^T += Q^T dS, each
+   warpgroup's dV^T and dK^T over the whole head dims and its own keys.
 3. Epilogue: dK (scaled) and dV rounded to the input dtype (RNE), stored row-predicated. TMA
    clips the dQ reduce-adds at the tensor's last row; in a varlen batch the rows of a block past
    its sequence are those of the next one, and they get + 0.0 (P^T, so dS^T and that part of
@@ -142,6 +147,38 @@ class FlashBwdSm90:
         swizzle) where a whole row would take 64-column ones."""
         return wgmma_smem_layout_atom(self.dtype, cols // NUM_CONSUMER_WGS if self.cfg.dkv_split else cols)
 
+    def shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout):
+        """The CTA's shared memory (`Sm90BwdConfig.smem_bytes` sizes it field by field). The
+        `keys_n` tile fills it to the limit: there the LSE rows sit in the padding between the
+        mbarriers and the first 1024-aligned tile, and D after the dQ tiles, which leaves room
+        for a varlen call's longer boxes."""
+        cfg = self.cfg
+        num_stages = cfg.num_stages
+        dtype = self.dtype
+        stat = cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+
+        def tile(dt, layout):
+            return cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(layout)], 1024]
+
+        fields = {
+            "mbar_KV": cute.struct.MemRange[cutlass.Int64, 2],
+            "mbar_Q": cute.struct.MemRange[cutlass.Int64, 2 * num_stages],
+            "sQ": tile(dtype, sQ_layout),
+            "sdO": tile(dtype, sdO_layout),
+            "sK": tile(dtype, sK_layout),
+            "sV": tile(dtype, sV_layout),
+            "sdS": tile(dtype, sdS_layout),
+            "sLSE": stat,
+            "sD": stat,
+            "sdQ": tile(Float32, sdQ_layout),
+        }
+        order = list(fields)
+        if cfg.keys_n:
+            order = ["mbar_KV", "mbar_Q", "sLSE", "sQ", "sdO", "sK", "sV", "sdS", "sdQ", "sD"]
+        # (the module's postponed annotations would leave a class body's as strings)
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": {f: fields[f] for f in order}}))
+        return SharedStorage
+
     # ------------------------------------------------------------------------------------------
     # host side
     # ------------------------------------------------------------------------------------------
@@ -187,18 +224,8 @@ class FlashBwdSm90:
                                         (cfg.dq_rows_per_wg, cfg.dq_cols, NUM_CONSUMER_WGS, cfg.dq_stages),
                                         (0, 1, 2, 3))
 
-        @cute.struct
-        class SharedStorage:
-            mbar_KV: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+        SharedStorage = self.shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
+                                            sdQ_layout)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(

@@ -17,7 +17,12 @@ At head dims 192 and 256 that would be 192 and 256 registers for dK and dV alone
 (`dkv_split`) the CTA takes 64 keys, both warpgroups share them and each keeps half of the
 columns of dK, dV and dQ (64 + 64 + 64 registers at 256), computing S^T and dP^T for half of the
 query block's rows; P^T and dS^T go through shared memory to the dK / dV / dQ GEMMs of both.
-Head dims of V and Q may differ only on that tile (the larger above 128, the smaller padding to
+At head dim 192 with V's up to 128 the CTA takes 96 keys instead, 48 per warpgroup, with the keys
+on the N side of every GEMM (`keys_n`): fwd + bwd on an H200 (bf16, 2 x 8192 x 16 heads, three
+rounds) 481-499 TFLOP/s against 422-437 for the 64-key tile at 192 / 128, causal 467-469
+against 420-421 (and one round of 360). Two (Q, dO) stages of it fill shared memory to the limit; 192 / 192 fits one,
+which measured 370-373 against 470-475, and keeps the 64-key tile.
+Head dims of V and Q may differ only on these column-split tiles (the larger above 128, the smaller padding to
 64, 128 or 192); other pairs and head dims above 256 are refused by name (`NotImplementedError`,
 `UnsupportedHeadDim`).
 
@@ -86,6 +91,7 @@ TILES = {
                  dq_fence_late=("masked",), dk_behind_dq=True),
     # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); at 256 one
     # stage of (Q, dO): two do not fit next to K, V, P^T, dS^T and the dQ tiles
+    # ... and at 192 with V's head dim up to 128, 96 keys per CTA (`keys_n`)
     192: BwdTile(64, 2, dq_split=True, dq_writer=True, dkv_split=True, keys_n=True),
     256: BwdTile(64, 1, dq_split=True, dq_writer=True, dkv_split=True),
 }
@@ -327,6 +333,11 @@ class Sm90BwdConfig:
         stat = 4 * (self.stat_stage_stride * (self.num_stages - 1) + self.stat_box)  # LSE, and D
         dq = 4 * NUM_CONSUMER_WGS * self.dq_stages * self.dq_rows_per_wg * self.dq_cols  # fp32 dQ tiles
         size = 1024 + 2 * (k_v + q_do + ds)  # the mbarriers, padded to the 1024-aligned tiles
+        if self.keys_n:
+            # the LSE rows in that padding, D after the dQ tiles (`FlashBwdSm90.shared_storage`)
+            assert 8 * (2 + 2 * self.num_stages) <= 128 and 128 + stat <= 1024
+            # (a struct's size is a multiple of its widest alignment, the tiles' 1024 bytes)
+            return align_up(align_up(size, 1024) + dq + stat, 1024) + SM90_STATIC_SMEM_BYTES
         size = align_up(align_up(size, 128) + stat, 128) + stat
         return align_up(size, 1024) + dq + SM90_STATIC_SMEM_BYTES
 
@@ -373,10 +384,16 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dq_rows", tile.dq_rows)
     flags.setdefault("dv_after_ds", tile.dv_after_ds)
     flags.setdefault("dkv_split", tile.dkv_split)
-    flags.setdefault("keys_n", tile.keys_n)
+    keys_n_asked = "keys_n" in flags
+    flags.setdefault("keys_n", tile.keys_n and hd == 192)  # Q's head dim 192, V's up to 192
     flags.setdefault("lpt", flags.get("causal", False))
     flags.setdefault("dkv_staged", True)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
+    if fields["keys_n"] and not keys_n_asked and _unchecked(fields).smem_bytes > SMEM_LIMIT:
+        # 96 keys need two (Q, dO) stages: with one the backward measured 1.3x slower than the
+        # 64-key tile (192 / 192 on an H200). V's head dim 192, or a varlen call's longer LSE / D
+        # boxes, leave no room for two: those calls take the 64-key tile.
+        fields["keys_n"] = False
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
@@ -416,6 +433,8 @@ def shipped_configs() -> list:
         make_config("bfloat16", 256, 256, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 192, 192, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 192, 128, causal=True),  # unequal head dims (e.g. MLA's 192 / 128)
+        # the 96-key tile (`keys_n`) with the mask and sequence features it takes
+        make_config("float16", 192, 128, local=True, softcap=True, seqused_k=True),
         make_config("bfloat16", 128, 128, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 128, 128, local=True, varlen_q=True, varlen_k=True),
         make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True),
@@ -490,7 +509,7 @@ def sweep_configs() -> list:
     from cute_flash.audit import distinct
 
     pairs = [(d, d) for d in TILE_HEADDIMS] + [(192, 128), (256, 128), (128, 256), (256, 64), (64, 256),
-                                                (128, 192), (256, 192), (192, 256)]
+                                                (128, 192), (256, 192), (192, 256), (192, 64)]
     masks = ({}, {"causal": True}, {"local": True})
     seqs = ({}, {"varlen_q": True, "varlen_k": True, "seqused_k": True})
     bf16 = (make_config("bfloat16", d, dv, softcap=softcap, **mask, **seq)
