@@ -14,7 +14,8 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   dQ writer warp), `overlap_dv`, `dk_after_dq` (where it is on: at head dim 128 turning it on
   serializes the WGMMAs) or else `dk_behind_dq`, `dq_writer` (off, with `dq_fence_late` off and one
   dQ tile), `dq_stages` (1 where 2 ship, else 2), `lpt` (off, causal), `dkv_staged`, `dq_split`
-  (off) and one more Q / dO stage where it fits (head dim 64);
+  (off), one more Q / dO stage where it fits (head dim 64) and, where the 96-key tile ships
+  (`keys_n`), the 64-key column-split tile (`64 keys`);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the same preprocess and postprocess kernels (`backward_sm90` with the

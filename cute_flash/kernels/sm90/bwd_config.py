@@ -18,9 +18,9 @@ At head dims 192 and 256 that would be 192 and 256 registers for dK and dV alone
 columns of dK, dV and dQ (64 + 64 + 64 registers at 256), computing S^T and dP^T for half of the
 query block's rows; P^T and dS^T go through shared memory to the dK / dV / dQ GEMMs of both.
 At head dim 192 with V's up to 128 the CTA takes 96 keys instead, 48 per warpgroup, with the keys
-on the N side of every GEMM (`keys_n`): fwd + bwd on an H200 (bf16, 2 x 8192 x 16 heads, three
-rounds) 481-499 TFLOP/s against 422-437 for the 64-key tile at 192 / 128, causal 467-469
-against 420-421 (and one round of 360). Two (Q, dO) stages of it fill shared memory to the limit; 192 / 192 fits one,
+on the N side of every GEMM (`keys_n`): fwd + bwd on an H200 (bf16, 2 x 8192 x 16 heads, two
+runs of three rounds) 448-499 TFLOP/s against 420-437 for the 64-key tile at 192 / 128, causal
+464-469 against 357-421. Two (Q, dO) stages of it fill shared memory to the limit; 192 / 192 fits one,
 which measured 370-373 against 470-475, and keeps the 64-key tile.
 Head dims of V and Q may differ only on these column-split tiles (the larger above 128, the smaller padding to
 64, 128 or 192); other pairs and head dims above 256 are refused by name (`NotImplementedError`,
