@@ -81,8 +81,7 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
                                   "dk_after_dq": True}))
     if shipped.keys_n:
         # the column-split tile's 64 keys per CTA shared by both warpgroups, keys on M
-        flips.append(("64 keys", {"keys_n": False, "num_stages": 2}))
-        flips.append(("64 keys, 1 stage", {"keys_n": False, "num_stages": 1}))
+        flips.append(("64 keys", {"keys_n": False, "single_dout": False, "num_stages": 2}))
     flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))
     if only is not None:
         flips = [(label, change) for label, change in flips if label in only]

@@ -139,6 +139,8 @@ class FlashBwdSm90:
         self.num_consumer_threads = 128 * NUM_CONSUMER_WGS
         # the EMPTY barriers of the dQ tiles follow their FULL ones
         self.barrier_dq_empty = BARRIER_DQ_FULL + NUM_CONSUMER_WGS * config.dq_stages
+        # `single_dout`: one per consumer warpgroup, arrived at once it is done reading dS^T
+        self.barrier_ds_read = self.barrier_dq_empty + NUM_CONSUMER_WGS * config.dq_stages
 
     def split_atom(self, cols: int):
         """The swizzle atom of Q, dO and K (rows of `cols` elements). With `dkv_split` each
@@ -147,7 +149,12 @@ class FlashBwdSm90:
         swizzle) where a whole row would take 64-column ones."""
         return wgmma_smem_layout_atom(self.dtype, cols // NUM_CONSUMER_WGS if self.cfg.dkv_split else cols)
 
-    def shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout):
+    def stat_layout(self, stages: int) -> cute.Layout:
+        """The shared-memory LSE or D rows of `stages` query blocks: (rows, stage)."""
+        return cute.make_layout((self.cfg.stat_box, stages), stride=(1, self.cfg.stat_stage_stride))
+
+    def shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sStatD_layout,
+                       sdQ_layout):
         """The CTA's shared memory (`Sm90BwdConfig.smem_bytes` sizes it field by field). The
         `keys_n` tile fills it to the limit: there the LSE rows sit in the padding between the
         mbarriers and the first 1024-aligned tile, and D after the dQ tiles, which leaves room
@@ -156,6 +163,7 @@ class FlashBwdSm90:
         num_stages = cfg.num_stages
         dtype = self.dtype
         stat = cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+        stat_d = cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStatD_layout)], 128]
 
         def tile(dt, layout):
             return cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(layout)], 1024]
@@ -169,12 +177,15 @@ class FlashBwdSm90:
             "sV": tile(dtype, sV_layout),
             "sdS": tile(dtype, sdS_layout),
             "sLSE": stat,
-            "sD": stat,
+            "sD": stat_d,
             "sdQ": tile(Float32, sdQ_layout),
         }
         order = list(fields)
         if cfg.keys_n:
             order = ["mbar_KV", "mbar_Q", "sLSE", "sQ", "sdO", "sK", "sV", "sdS", "sdQ", "sD"]
+        if cfg.single_dout:  # the (dO, D) stage's own mbarriers
+            fields["mbar_dO"] = cute.struct.MemRange[cutlass.Int64, 2]
+            order.insert(2, "mbar_dO")
         # (the module's postponed annotations would leave a class body's as strings)
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": {f: fields[f] for f in order}}))
         return SharedStorage
@@ -211,13 +222,13 @@ class FlashBwdSm90:
         sQ_layout = cute.tile_to_shape(self.split_atom(cfg.head_dim),
                                        (cfg.tile_m, cfg.head_dim, cfg.num_stages), (0, 1, 2))
         sdO_layout = cute.tile_to_shape(self.split_atom(cfg.head_dim_v),
-                                        (cfg.tile_m, cfg.head_dim_v, cfg.num_stages), (0, 1, 2))
+                                        (cfg.tile_m, cfg.head_dim_v, cfg.dout_stages), (0, 1, 2))
         sK_layout = cute.tile_to_shape(self.split_atom(cfg.head_dim), (cfg.tile_n, cfg.head_dim), (0, 1))
         sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v)
         # the dS^T stages, then (`dkv_split`) the P^T ones
         sdS_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.tile_m),
                                         (cfg.tile_n, cfg.tile_m, cfg.ds_stages + cfg.p_stages), (0, 1, 2))
-        sStat_layout = cute.make_layout((cfg.stat_box, cfg.num_stages), stride=(1, cfg.stat_stage_stride))
+        sStat_layout = self.stat_layout(cfg.num_stages)
         # `dq_stages` fp32 dQ partials per consumer warpgroup, the sources of its TMA reduce-adds:
         # (rows, cols, warpgroup, stage)
         sdQ_layout = cute.tile_to_shape(wgmma_smem_layout_atom(Float32, cfg.dq_cols),
@@ -225,7 +236,7 @@ class FlashBwdSm90:
                                         (0, 1, 2, 3))
 
         SharedStorage = self.shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
-                                            sdQ_layout)
+                                            self.stat_layout(cfg.dout_stages), sdQ_layout)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
@@ -376,12 +387,19 @@ class FlashBwdSm90:
             consumer_group=consumers, tx_count=cfg.tile_n * (cfg.head_dim + cfg.head_dim_v) * elem_bytes,
             defer_sync=True,
         )
+        q_bytes = cfg.tile_m * cfg.head_dim * elem_bytes + cfg.stat_box * 4  # Q and the LSE rows
+        do_bytes = cfg.tile_m * cfg.head_dim_v * elem_bytes + cfg.stat_box * 4  # dO and the D rows
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=cfg.num_stages, producer_group=producer,
-            consumer_group=consumers,
-            tx_count=cfg.tile_m * (cfg.head_dim + cfg.head_dim_v) * elem_bytes + 2 * cfg.stat_box * 4,
+            consumer_group=consumers, tx_count=q_bytes if cutlass.const_expr(cfg.single_dout) else q_bytes + do_bytes,
             defer_sync=True,
         )
+        pipeline_do = None  # `single_dout`: dO and D in a ring of their own
+        if cutlass.const_expr(cfg.single_dout):
+            pipeline_do = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_dO.data_ptr(), num_stages=cfg.dout_stages, producer_group=producer,
+                consumer_group=consumers, tx_count=do_bytes, defer_sync=True,
+            )
         pipeline.pipeline_init_arrive()
 
         # The WGMMA atoms swizzle byte addresses: the swizzle goes on the pointer.
@@ -391,7 +409,7 @@ class FlashBwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
-        sD = storage.sD.get_tensor(sStat_layout)
+        sD = storage.sD.get_tensor(self.stat_layout(cfg.dout_stages))
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
@@ -421,21 +439,24 @@ class FlashBwdSm90:
                     self.load(
                         tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE,
                         tma_D, tma_mD, sQ, sdO, sK, sV, sLSE, sD, pipeline_kv, pipeline_q,
-                        seqlen, n_block, head_k, batch, group, m_block_min, m_steps,
+                        seqlen, n_block, head_k, batch, group, m_block_min, m_steps, pipeline_do,
                     )
                 if cutlass.const_expr(cfg.dq_writer):
                     if warp_idx == 1 and m_steps > 0:
                         self.write_dq(tma_dQ, tma_mdQ, sdQ, seqlen, head_k, batch, group, m_block_min, m_steps)
             else:
                 cute.arch.setmaxregister_increase(cfg.registers[0])
-                consume = self.consume_keys_n if cutlass.const_expr(cfg.keys_n) else self.consume
-                consume(
+                args = (
                     tidx - 128, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv,
                     pipeline_q,
                     tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, seqlen, n_block, head_k, batch,
                     group, m_block_min, m_steps, left, right, softmax_scale, softmax_scale_log2,
                     softcap_prescale,
                 )
+                if cutlass.const_expr(cfg.keys_n):
+                    self.consume_keys_n(*args, pipeline_do)
+                else:
+                    self.consume(*args)
 
     # ------------------------------------------------------------------------------------------
     # producer
@@ -444,7 +465,7 @@ class FlashBwdSm90:
     def load(
         self, tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
         sQ, sdO, sK, sV, sLSE, sD, pipeline_kv, pipeline_q, seqlen: SeqlenInfo, n_block, head_k, batch, group,
-        m_block_min, m_steps,
+        m_block_min, m_steps, pipeline_do=None,
     ):
         cfg = self.cfg
         one_cta = cute.make_layout(1)
@@ -461,6 +482,9 @@ class FlashBwdSm90:
         cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        do_state = None
+        if cutlass.const_expr(cfg.single_dout):
+            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.dout_stages)
         for it in cutlass.range(m_steps * group, unroll=1):
             head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
             gQ = cute.local_tile(rows(tma_mQ, cfg.varlen_q, seqlen.offset_q, batch, head),
@@ -481,8 +505,14 @@ class FlashBwdSm90:
             bar = pipeline_q.producer_get_barrier(state)
             cute.copy(tma_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar)
             cute.copy(tma_LSE, tLgL, tLsL[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_dO, tdOgdO, tdOsdO[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_D, tDgD, tDsD[None, state.index], tma_bar_ptr=bar)
+            do_index = state.index
+            if cutlass.const_expr(cfg.single_dout):  # dO and D wait for their own stage
+                pipeline_do.producer_acquire(do_state)
+                bar = pipeline_do.producer_get_barrier(do_state)
+                do_index = do_state.index
+                do_state.advance()
+            cute.copy(tma_dO, tdOgdO, tdOsdO[None, do_index], tma_bar_ptr=bar)
+            cute.copy(tma_D, tDgD, tDsD[None, do_index], tma_bar_ptr=bar)
             state.advance()
 
     @cute.jit
@@ -808,7 +838,7 @@ class FlashBwdSm90:
         self, ctidx, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv, pipeline_q,
         tiled_mma_SdP: cute.TiledMma, tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma,
         tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, group, m_block_min, m_steps,
-        left, right, softmax_scale, softmax_scale_log2, softcap_prescale,
+        left, right, softmax_scale, softmax_scale_log2, softcap_prescale, pipeline_do,
     ):
         """The consumer warpgroups of the `keys_n` tile (head dim 192, 96 keys per CTA): warpgroup w
         owns keys [48w, 48w + 48) and keeps dK^T and dV^T (the whole head dims x its keys) in fp32
@@ -822,7 +852,10 @@ class FlashBwdSm90:
             dK^T += Q^T dS                                       (B = dS^T)
 
         The tails, masks, soft-capping and the dQ writer are those of `consume`; dK and dV go out
-        through the shared memory of K and V."""
+        through the shared memory of K and V. With `single_dout` dO and D come through a
+        one-stage ring of their own (`pipeline_do`), released once dV^T is done, and dS^T has one
+        buffer: a warpgroup writes its rows only after the other has arrived from the previous
+        block's dQ GEMM (`BARRIER_DS_READ`)."""
         cfg = self.cfg
         wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
         thr_mma_SdP = tiled_mma_SdP.get_slice(ctidx)
@@ -880,18 +913,26 @@ class FlashBwdSm90:
             if cutlass.const_expr(cfg.varlen_q):
                 stat_query = thr_query + seqlen.offset_q % STAT_ALIGN
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-            for it in cutlass.range(m_steps * group, unroll=1):
+            do_state = None
+            if cutlass.const_expr(cfg.single_dout):
+                do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.dout_stages)
+            steps = m_steps * group
+            for it in cutlass.range(steps, unroll=1):
                 head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
                 m_lo = m_block * cfg.tile_m
                 stage = state.index
                 pipeline_q.consumer_wait(state)
+                do_stage = stage  # of dO and D
+                if cutlass.const_expr(cfg.single_dout):
+                    pipeline_do.consumer_wait(do_state)
+                    do_stage = do_state.index
                 sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
-                sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
+                sD_thr = cute.domain_offset((stat_query,), sD[None, do_stage])
                 acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
                 acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
                 gemm(tiled_mma_SdP, acc_S, tSrQ[None, None, None, stage], tSrK, zero_init=True)
                 if cutlass.const_expr(not cfg.softcap):
-                    gemm(tiled_mma_SdP, acc_dP, tdPrdO[None, None, None, stage], tdPrV, zero_init=True)
+                    gemm(tiled_mma_SdP, acc_dP, tdPrdO[None, None, None, do_stage], tdPrV, zero_init=True)
                 if cutlass.const_expr(cfg.dq_fence_late):
                     if it > 0:
                         self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
@@ -916,14 +957,14 @@ class FlashBwdSm90:
                     self.probs(acc_S, rP, sLSE_thr, None, t0ScS_mn, None, softmax_scale_log2, softcap_prescale,
                                query_mode=0)
                 if cutlass.const_expr(cfg.softcap):
-                    gemm(tiled_mma_SdP, acc_dP, tdPrdO[None, None, None, stage], tdPrV, zero_init=True)
+                    gemm(tiled_mma_SdP, acc_dP, tdPrdO[None, None, None, do_stage], tdPrV, zero_init=True)
                 else:
                     rP.store(acc_S.load().to(self.dtype))
                 # this warpgroup's P^T rows, read only by its own dV^T GEMM (waited for below)
                 cute.copy(stsm_PdS, stsm_PdS.retile(rP), tPdSsPdS[None, None, None, p_stage])
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
-                gemm_accumulate_if(tiled_mma_dK, acc_dV, tdVrdOt[None, None, None, stage],
+                gemm_accumulate_if(tiled_mma_dK, acc_dV, tdVrdOt[None, None, None, do_stage],
                                    tdKVrPdS[None, None, None, p_stage], it > 0)
                 warpgroup.wait_group(1)  # dP is in; dV^T runs on
 
@@ -936,6 +977,10 @@ class FlashBwdSm90:
                         acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
                 rdS.store(acc_dP.load().to(self.dtype))
                 ds_stage = it % cfg.ds_stages
+                if cutlass.const_expr(cfg.single_dout):
+                    if it > 0:  # the other warpgroup's last dQ GEMM has read the one dS^T buffer
+                        cute.arch.barrier(barrier_id=self.barrier_ds_read + 1 - wg_idx,
+                                          number_of_threads=self.num_consumer_threads)
                 cute.copy(stsm_PdS, stsm_PdS.retile(rdS), tPdSsPdS[None, None, None, ds_stage])
                 cute.arch.fence_view_async_shared()
                 # both warpgroups' dS^T rows are in (see `consume` for the two buffers)
@@ -945,6 +990,12 @@ class FlashBwdSm90:
                 gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrQt[None, None, None, stage],
                                    tdKVrPdS[None, None, None, ds_stage], it > 0)
                 warpgroup.wait_group(1)  # dV^T and dQ are in; dK^T runs on
+                if cutlass.const_expr(cfg.single_dout):
+                    pipeline_do.consumer_release(do_state)  # dV^T was the last reader of dO
+                    do_state.advance()
+                    if it + 1 < steps:  # this warpgroup is done reading dS^T
+                        cute.arch.barrier_arrive(barrier_id=self.barrier_ds_read + wg_idx,
+                                                 number_of_threads=self.num_consumer_threads)
 
                 buf = it % cfg.dq_stages
                 if it >= cfg.dq_stages:  # the writer warp's last reduce-add from this tile has read it
@@ -957,7 +1008,7 @@ class FlashBwdSm90:
                 pipeline_q.consumer_release(state)
                 state.advance()
             if cutlass.const_expr(cfg.dq_fence_late):
-                self.hand_over_dq(wg_idx, (m_steps * group - 1) % cfg.dq_stages)
+                self.hand_over_dq(wg_idx, (steps - 1) % cfg.dq_stages)
             acc_dK.store(acc_dK.load() * softmax_scale)
             # every dQ GEMM (both warpgroups read all of K) is done before K's memory is rewritten
             cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)

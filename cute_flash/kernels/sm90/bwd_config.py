@@ -218,6 +218,10 @@ class Sm90BwdConfig:
     # and every Q / dO block is read for 96 keys instead of 64. dK and dV are staged in the
     # shared memory of K and V for their stores.
     keys_n: bool = False
+    # With `keys_n`: dO (and D) in one stage, while Q and the LSE keep `num_stages`, and dS^T in
+    # one buffer, which a warpgroup rewrites only once the other's dQ GEMM has read it (a named
+    # barrier each way) -- the shared memory that two stages of the 96-key tile need at 192 / 192.
+    single_dout: bool = False
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
     # 0 the SM, 1 the steps (query blocks), 2-7 the low 32 bits of the global nanosecond timer at
@@ -261,6 +265,8 @@ class Sm90BwdConfig:
             raise ValueError(f"head dim {max(self.head_dim, self.head_dim_v)} needs dkv_split")
         elif self.head_dim != self.head_dim_v:
             raise ValueError("unequal head dims of Q and V need dkv_split")
+        if self.single_dout and not self.keys_n:
+            raise ValueError("single_dout needs keys_n")
         if self.tile_m != (128 if self.dq_rows else 64):
             # the M of the dQ GEMM: one m64 WGMMA per warpgroup, over 64 of 128 rows with `dq_rows`
             raise ValueError(f"tile_m must be 64, or 128 with dq_rows; got {self.tile_m}")
@@ -308,8 +314,14 @@ class Sm90BwdConfig:
 
     @property
     def ds_stages(self) -> int:
-        """dS^T buffers: two when both warpgroups read the whole tile (`dq_split`, `dq_rows`)."""
-        return 2 if self.dq_split or self.dq_rows else 1
+        """dS^T buffers: two when both warpgroups read the whole tile (`dq_split`, `dq_rows`),
+        but one with `single_dout`."""
+        return 2 if (self.dq_split or self.dq_rows) and not self.single_dout else 1
+
+    @property
+    def dout_stages(self) -> int:
+        """Stages of dO and D: `num_stages`, or one with `single_dout`."""
+        return 1 if self.single_dout else self.num_stages
 
     @property
     def p_stages(self) -> int:
@@ -327,17 +339,18 @@ class Sm90BwdConfig:
         """Shared memory of a CTA: the kernel's `SharedStorage` field by field with their
         alignments, and the static shared memory (the compile tests check both)."""
         k_v = self.tile_n * (self.head_dim + self.head_dim_v)
-        q_do = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v)
+        q_do = self.tile_m * (self.num_stages * self.head_dim + self.dout_stages * self.head_dim_v)
         ds = self.ds_stages * self.tile_n * self.tile_m
         ds += self.p_stages * self.tile_n * self.tile_m  # P^T (`dkv_split`)
         stat = 4 * (self.stat_stage_stride * (self.num_stages - 1) + self.stat_box)  # LSE, and D
+        stat_d = 4 * (self.stat_stage_stride * (self.dout_stages - 1) + self.stat_box)
         dq = 4 * NUM_CONSUMER_WGS * self.dq_stages * self.dq_rows_per_wg * self.dq_cols  # fp32 dQ tiles
         size = 1024 + 2 * (k_v + q_do + ds)  # the mbarriers, padded to the 1024-aligned tiles
         if self.keys_n:
             # the LSE rows in that padding, D after the dQ tiles (`FlashBwdSm90.shared_storage`)
-            assert 8 * (2 + 2 * self.num_stages) <= 128 and 128 + stat <= 1024
+            assert 8 * (2 + 2 * self.num_stages + 2 * self.single_dout) <= 128 and 128 + stat <= 1024
             # (a struct's size is a multiple of its widest alignment, the tiles' 1024 bytes)
-            return align_up(align_up(size, 1024) + dq + stat, 1024) + SM90_STATIC_SMEM_BYTES
+            return align_up(align_up(size, 1024) + dq + stat_d, 1024) + SM90_STATIC_SMEM_BYTES
         size = align_up(align_up(size, 128) + stat, 128) + stat
         return align_up(size, 1024) + dq + SM90_STATIC_SMEM_BYTES
 
@@ -346,7 +359,7 @@ class Sm90BwdConfig:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "keys_n", "timeline") if getattr(self, f)]
+                             "keys_n", "single_dout", "timeline") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -390,10 +403,12 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dkv_staged", True)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if fields["keys_n"] and not keys_n_asked and _unchecked(fields).smem_bytes > SMEM_LIMIT:
-        # 96 keys need two (Q, dO) stages: with one the backward measured 1.3x slower than the
-        # 64-key tile (192 / 192 on an H200). V's head dim 192, or a varlen call's longer LSE / D
-        # boxes, leave no room for two: those calls take the 64-key tile.
-        fields["keys_n"] = False
+        # 96 keys need two Q stages: with one (Q, dO) stage the backward measured 1.3x slower
+        # than the 64-key tile (192 / 192 on an H200). With V's head dim 192 two fit where dO
+        # takes one (`single_dout`).
+        fields.setdefault("single_dout", True)
+        if _unchecked(fields).smem_bytes > SMEM_LIMIT:
+            fields["keys_n"] = fields["single_dout"] = False
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
