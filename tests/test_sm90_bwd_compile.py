@@ -63,18 +63,27 @@ def test_sm90_bwd_headdims_above_256_are_refused_by_name(d):
 @pytest.mark.parametrize("d,tile,stages", [(136, 192, 2), (192, 192, 2), (200, 256, 1), (248, 256, 1), (256, 256, 1)])
 def test_sm90_bwd_headdims_above_128_take_the_column_split_tile(d, tile, stages):
     config = bc.make_config("bfloat16", d, d, causal=True)
-    assert (config.head_dim, config.tile_m, config.tile_n, config.num_stages) == (tile, 64, 64, stages)
+    # 192: 96 keys, 48 per warpgroup (`keys_n`), with one dO stage and one dS^T buffer
+    keys = 96 if tile == 192 else 64
+    assert (config.head_dim, config.tile_m, config.tile_n, config.num_stages) == (tile, 64, keys, stages)
     assert config.dkv_split and config.dq_split and config.dq_cols == tile // 2
+    assert (config.keys_n, config.single_dout) == (tile == 192, tile == 192)
     # K, V, the (Q, dO) stages, the dS^T and P^T buffers, the two warpgroups' fp32 dQ tiles
     assert config.smem_bytes <= bc.SMEM_LIMIT
-    assert config.p_stages == (2 if stages == 2 else 1)
+    assert (config.ds_stages, config.p_stages) == ((1, 1) if tile == 192 else (2, 1))
 
 
-def test_sm90_bwd_head_dim_192_takes_one_stage_where_varlen_boxes_leave_no_room_for_two():
-    two = bc.make_config("bfloat16", 192, 192, varlen_q=False)
-    one = bc.make_config("bfloat16", 192, 192, varlen_q=True, varlen_k=True)
-    assert (two.num_stages, one.num_stages) == (2, 1)
-    assert two.smem_bytes <= bc.SMEM_LIMIT < bc._unchecked({**vars(one), "num_stages": 2}).smem_bytes
+def test_sm90_bwd_head_dim_192_keeps_two_q_stages_with_one_dout_stage_in_varlen_calls_too():
+    fixed = bc.make_config("bfloat16", 192, 192, varlen_q=False)
+    varlen = bc.make_config("bfloat16", 192, 192, varlen_q=True, varlen_k=True)
+    for config in (fixed, varlen):
+        assert (config.num_stages, config.dout_stages, config.single_dout) == (2, 1, True)
+        assert config.smem_bytes <= bc.SMEM_LIMIT
+    # two dO stages do not fit: the reason for the one
+    assert bc._unchecked({**vars(fixed), "single_dout": False}).smem_bytes > bc.SMEM_LIMIT
+    # the 64-key tile with two (Q, dO) stages fits without varlen boxes, with them only one
+    assert bc.make_config("bfloat16", 192, 192, keys_n=False).num_stages == 2
+    assert bc.make_config("bfloat16", 192, 192, keys_n=False, varlen_q=True).num_stages == 1
 
 
 def test_sm90_bwd_dkv_split_excludes_the_register_operand_orders():
@@ -105,19 +114,21 @@ def test_sm90_bwd_unequal_head_dims_above_128_take_the_column_split_tile(d, dv):
 
 
 @pytest.mark.parametrize("flags", [{}, {"varlen_q": True}, {"varlen_q": True, "varlen_k": True, "causal": True}])
-def test_sm90_bwd_keys_n_tile_only_with_two_stages(flags):
+def test_sm90_bwd_keys_n_tile_only_with_two_q_stages(flags):
     # two (Q, dO) stages of the 96-key tile fill shared memory to the limit at 192 / 128, the
     # varlen LSE / D boxes included (LSE in the mbarriers' padding, D after the dQ tiles); with V's
-    # head dim 192 only one fits, and the call takes the 64-key tile (one stage of the 96-key
-    # tile measured 1.3x slower than it)
+    # head dim 192 two Q stages fit next to one of dO (`single_dout`); one stage of both measured
+    # 1.3x slower than the 64-key tile
     config = bc.make_config("bfloat16", 192, 128, **flags)
-    assert config.keys_n and config.num_stages == 2 and config.smem_bytes <= bc.SMEM_LIMIT
+    assert config.keys_n and not config.single_dout and config.num_stages == 2
+    assert config.smem_bytes <= bc.SMEM_LIMIT
     wide_v = bc.make_config("bfloat16", 192, 192, **flags)
-    assert not wide_v.keys_n and wide_v.tile_n == 64
-    assert bc._unchecked({**vars(wide_v), "keys_n": True, "num_stages": 2}).smem_bytes > bc.SMEM_LIMIT
-    # asked for explicitly, the 96-key tile is kept, in one stage where two do not fit
-    asked = bc.make_config("bfloat16", 192, 192, keys_n=True, **flags)
+    assert wide_v.keys_n and wide_v.single_dout and wide_v.num_stages == 2
+    # asked for explicitly without single_dout, the 96-key tile is kept, in one stage
+    asked = bc.make_config("bfloat16", 192, 192, keys_n=True, single_dout=False, **flags)
     assert asked.keys_n and asked.num_stages == 1 and asked.smem_bytes <= bc.SMEM_LIMIT
+    # and the 64-key tile where single_dout is refused
+    assert not bc.make_config("bfloat16", 192, 192, single_dout=False, **flags).keys_n
 
 
 def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
@@ -129,6 +140,8 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
         replace(bc.make_config("bfloat16", 256, 256), keys_n=True)
     with pytest.raises(ValueError, match="profiling"):
         replace(config, timeline=True)
+    with pytest.raises(ValueError, match="single_dout needs keys_n"):
+        replace(bc.make_config("bfloat16", 256, 256), single_dout=True)
 
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
@@ -140,7 +153,7 @@ def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
 def test_sm90_bwd_config_names_tell_apart_every_flag():
     base = bc.make_config("bfloat16", 128, 128)  # every flag can flip at head dim 128
     for f in fields(base):
-        if f.name in ("dkv_split", "keys_n"):
+        if f.name in ("dkv_split", "keys_n", "single_dout"):
             continue  # head dims 192 / 256 only: below
         if isinstance(getattr(base, f.name), bool):
             flipped = {f.name: not getattr(base, f.name)}
@@ -160,6 +173,7 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
     assert "dkv_split" in bc.make_config("bfloat16", 256, 256).name
     keys_n = bc.make_config("bfloat16", 192, 128)
     assert replace(keys_n, keys_n=False).name != keys_n.name
+    assert replace(keys_n, single_dout=True).name != keys_n.name
     assert replace(wide, dq_rows=False, tile_m=64).name != wide.name
 
 
@@ -338,6 +352,8 @@ COMPILED = [
     bc.make_config("float16", 192, 192, causal=True),
     # the 96-key tile (`keys_n`), whose shared memory is exactly the limit with the varlen boxes
     bc.make_config("bfloat16", 192, 128, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
+    # ... and with dO's ring of its own (`single_dout`)
+    bc.make_config("bfloat16", 192, 192, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
     # the profiling build (`timeline`): counters that spilled or serialized would measure nothing
     replace(bc.make_config("bfloat16", 128, 128, causal=True), timeline=True),
 ]

@@ -58,11 +58,12 @@ formed in registers and dK/dV are written once, in the input dtype.
    and dS^T columns to shared memory, and after a barrier of both issues dV += P^T dO,
    dK += dS^T Q and dQ = dS K for its half of the head dim's columns, every A operand read from
    shared memory. Q, dO and K take swizzle atoms that tile a half row (`split_atom`).
-   Head dim 192 with V's head dim up to 128 (`keys_n`, `consume_keys_n`): 96 keys per CTA, 48
+   Head dim 192 (`keys_n`, `consume_keys_n`): 96 keys per CTA, 48
    per warpgroup, with the keys on the N side of every GEMM -- S = Q K^T and dP = dO V^T are
    m64n48 instead of m64n32, and each Q / dO block serves 96 keys instead of 64; P and dS go to
    shared memory transposed (stmatrix .trans) for dV^T += dO^T P and dK^T += Q^T dS, each
-   warpgroup's dV^T and dK^T over the whole head dims and its own keys.
+   warpgroup's dV^T and dK^T over the whole head dims and its own keys. With V's head dim 192
+   dO and D come through a one-stage ring of their own, Q through two (`single_dout`).
 3. Epilogue: dK (scaled) and dV rounded to the input dtype (RNE), stored row-predicated. TMA
    clips the dQ reduce-adds at the tensor's last row; in a varlen batch the rows of a block past
    its sequence are those of the next one, and they get + 0.0 (P^T, so dS^T and that part of

@@ -17,11 +17,13 @@ At head dims 192 and 256 that would be 192 and 256 registers for dK and dV alone
 (`dkv_split`) the CTA takes 64 keys, both warpgroups share them and each keeps half of the
 columns of dK, dV and dQ (64 + 64 + 64 registers at 256), computing S^T and dP^T for half of the
 query block's rows; P^T and dS^T go through shared memory to the dK / dV / dQ GEMMs of both.
-At head dim 192 with V's up to 128 the CTA takes 96 keys instead, 48 per warpgroup, with the keys
-on the N side of every GEMM (`keys_n`): fwd + bwd on an H200 (bf16, 2 x 8192 x 16 heads, two
+At head dim 192 the CTA takes 96 keys instead, 48 per warpgroup, with the keys on the N side of
+every GEMM (`keys_n`): fwd + bwd on an H200 (bf16, 2 x 8192 x 16 heads, two
 runs of three rounds) 448-499 TFLOP/s against 420-437 for the 64-key tile at 192 / 128, causal
-464-469 against 357-421. Two (Q, dO) stages of it fill shared memory to the limit; 192 / 192 fits one,
-which measured 370-373 against 470-475, and keeps the 64-key tile.
+464-469 against 357-421. Two (Q, dO) stages of it fill shared memory to the limit; at 192 / 192
+two Q stages fit next to one of dO with one dS^T buffer (`single_dout`): 433-519 (two rounds of
+three above 512) against 466-482, causal 497-508 against 374-469 (one stage of both had measured
+370-373 against 470-475).
 Head dims of V and Q may differ only on these column-split tiles (the larger above 128, the smaller padding to
 64, 128 or 192); other pairs and head dims above 256 are refused by name (`NotImplementedError`,
 `UnsupportedHeadDim`).
@@ -91,7 +93,7 @@ TILES = {
                  dq_fence_late=("masked",), dk_behind_dq=True),
     # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); at 256 one
     # stage of (Q, dO): two do not fit next to K, V, P^T, dS^T and the dQ tiles
-    # ... and at 192 with V's head dim up to 128, 96 keys per CTA (`keys_n`)
+    # ... and at 192 96 keys per CTA (`keys_n`; with V's head dim 192 one dO stage, `single_dout`)
     192: BwdTile(64, 2, dq_split=True, dq_writer=True, dkv_split=True, keys_n=True),
     256: BwdTile(64, 1, dq_split=True, dq_writer=True, dkv_split=True),
 }
