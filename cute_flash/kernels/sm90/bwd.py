@@ -143,12 +143,14 @@ class FlashBwdSm90:
         # `single_dout`: one per consumer warpgroup, arrived at once it is done reading dS^T
         self.barrier_ds_read = self.barrier_dq_empty + NUM_CONSUMER_WGS * config.dq_stages
 
-    def split_atom(self, cols: int):
-        """The swizzle atom of Q, dO and K (rows of `cols` elements). With `dkv_split` each
+    def split_atom(self, cols: int, of_k: bool = False):
+        """The swizzle atom of Q, dO and K (`of_k`) (rows of `cols` elements). With `dkv_split` each
         warpgroup reads half of their columns as an MN-major operand (dK, dV, dQ), so the atom
         must tile that half: at head dim 192 the 96 columns take 32-column atoms (64-byte
-        swizzle) where a whole row would take 64-column ones."""
-        return wgmma_smem_layout_atom(self.dtype, cols // NUM_CONSUMER_WGS if self.cfg.dkv_split else cols)
+        swizzle) where a whole row would take 64-column ones. With `keys_n` only K's halves are
+        read (dQ's B operand); Q and dO keep whole-row atoms."""
+        halves = self.cfg.dkv_split and (of_k or not self.cfg.keys_n)
+        return wgmma_smem_layout_atom(self.dtype, cols // NUM_CONSUMER_WGS if halves else cols)
 
     def stat_layout(self, stages: int) -> cute.Layout:
         """The shared-memory LSE or D rows of `stages` query blocks: (rows, stage)."""
@@ -224,7 +226,7 @@ class FlashBwdSm90:
                                        (cfg.tile_m, cfg.head_dim, cfg.num_stages), (0, 1, 2))
         sdO_layout = cute.tile_to_shape(self.split_atom(cfg.head_dim_v),
                                         (cfg.tile_m, cfg.head_dim_v, cfg.dout_stages), (0, 1, 2))
-        sK_layout = cute.tile_to_shape(self.split_atom(cfg.head_dim), (cfg.tile_n, cfg.head_dim), (0, 1))
+        sK_layout = cute.tile_to_shape(self.split_atom(cfg.head_dim, of_k=True), (cfg.tile_n, cfg.head_dim), (0, 1))
         sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v)
         # the dS^T stages, then (`dkv_split`) the P^T ones
         sdS_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.tile_m),
@@ -963,11 +965,12 @@ class FlashBwdSm90:
                     rP.store(acc_S.load().to(self.dtype))
                 # this warpgroup's P^T rows, read only by its own dV^T GEMM (waited for below)
                 cute.copy(stsm_PdS, stsm_PdS.retile(rP), tPdSsPdS[None, None, None, p_stage])
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
-                gemm_accumulate_if(tiled_mma_dK, acc_dV, tdVrdOt[None, None, None, do_stage],
-                                   tdKVrPdS[None, None, None, p_stage], it > 0)
-                warpgroup.wait_group(1)  # dP is in; dV^T runs on
+                if cutlass.const_expr(not cfg.dv_after_ds):
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                    gemm_accumulate_if(tiled_mma_dK, acc_dV, tdVrdOt[None, None, None, do_stage],
+                                       tdKVrPdS[None, None, None, p_stage], it > 0)
+                warpgroup.wait_group(0 if cutlass.const_expr(cfg.dv_after_ds) else 1)  # dP is in; dV^T runs on
 
                 # dS = P (dP - D), with soft-capping P (1 - tanh^2) (dP - D)
                 acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
@@ -986,6 +989,9 @@ class FlashBwdSm90:
                 cute.arch.fence_view_async_shared()
                 # both warpgroups' dS^T rows are in (see `consume` for the two buffers)
                 cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+                if cutlass.const_expr(cfg.dv_after_ds):  # (flash-attn-4's order)
+                    gemm_accumulate_if(tiled_mma_dK, acc_dV, tdVrdOt[None, None, None, do_stage],
+                                       tdKVrPdS[None, None, None, p_stage], it > 0)
                 acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.tile_m, cfg.dq_cols)), Float32)
                 gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
                 gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrQt[None, None, None, stage],

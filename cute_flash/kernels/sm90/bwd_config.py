@@ -251,7 +251,7 @@ class Sm90BwdConfig:
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
         if self.dkv_split:
             for flag in ("overlap_dv", "dk_after_dq", "dk_behind_dq", "dq_rows", "dv_after_ds", "stats_early"):
-                if getattr(self, flag):
+                if getattr(self, flag) and not (flag == "dv_after_ds" and self.keys_n):
                     raise ValueError(f"dkv_split reads P^T and dS^T from shared memory; it excludes {flag}")
             if not self.dq_split or max(self.head_dim, self.head_dim_v) not in (192, 256):
                 raise ValueError(f"dkv_split needs dq_split and head dim 192 or 256; got {self.head_dim}")
