@@ -204,6 +204,9 @@ class Sm90BwdConfig:
     # dV += P^T dO issued once dS^T is formed (flash-attn-4's order) instead of before: no GEMM
     # is in flight while dS^T is computed, P^T's 16-bit registers live across it instead. Shipped
     # with the 128-row tile (`WIDE_TILES`); at head dims 96 and 128 level or slower (A/B "dV after dS").
+    # On the 96-key tile (`keys_n`, where P comes from shared memory) dV^T is issued after the
+    # barrier of both warpgroups instead of after P's own: level at 192 (H200, 2 x 8192 x 10
+    # heads, 3 rounds: 5.81/6.43/5.70 ms against 5.79-5.88, causal 2.83-2.91 against 2.81-2.94).
     dv_after_ds: bool = False
     # Head dims 192 and 256: the CTA's 64 keys are shared by both warpgroups, and dK, dV and dQ
     # split over their columns (128 each at 256: 64 + 64 + 64 accumulator registers per thread,
@@ -223,6 +226,8 @@ class Sm90BwdConfig:
     # With `keys_n`: dO (and D) in one stage, while Q and the LSE keep `num_stages`, and dS^T in
     # one buffer, which a warpgroup rewrites only once the other's dQ GEMM has read it (a named
     # barrier each way) -- the shared memory that two stages of the 96-key tile need at 192 / 192.
+    # There `dq_fence_late` measured level (5.83-5.88 ms against 5.79-5.88, causal 2.78-2.84
+    # against 2.81-2.94; `ab_sm90_bwd.py`, 2 x 8192 x 10 heads, 3 rounds): not shipped.
     single_dout: bool = False
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
