@@ -26,7 +26,6 @@ calls are measured on the 64-row tile (`--set tile_m=64,dq_rows=0,dq_split=1`).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,7 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timeline_lib import mean_us, phase_means, sm_time, unwrap_rows  # noqa: E402
+from timeline_lib import (  # noqa: E402
+    apply_overrides, mean_us, parse_timeline_args, phase_means, sm_time, timeline_parser, unwrap_rows,
+)
 
 PHASES = ("Q/dO wait", "S issue + wait", "P + dP wait", "dS + barrier", "dQ GEMM", "dQ hand-over", "dK wait + release")
 RECORD_INTS = 24  # smid, steps, 6 stamps, 2 x (7 phases + steps)
@@ -100,25 +101,6 @@ def format_summary(s: Summary) -> str:
     return "\n".join(lines)
 
 
-def parse_overrides(text: str) -> dict:
-    """'stats_early=1,tile_m=64' -> {'stats_early': True, 'tile_m': 64} (0/1 are booleans for
-    boolean flags, which `apply_overrides` checks)."""
-    out = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        key, _, value = item.partition("=")
-        out[key.strip()] = int(value)
-    return out
-
-
-def apply_overrides(config, overrides: dict):
-    values = {}
-    for key, value in overrides.items():
-        if not hasattr(config, key):
-            raise SystemExit(f"--set: the configuration has no flag {key!r}")
-        values[key] = bool(value) if isinstance(getattr(config, key), bool) else value
-    return replace(config, **values)
-
-
 def on_gpu(opts) -> None:
     import torch
     from triton.testing import do_bench
@@ -151,19 +133,9 @@ def on_gpu(opts) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head-dims", type=lambda x: [int(v) for v in x.split(",")], default=[128])
-    p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=2)
+    p = timeline_parser(__doc__.splitlines()[0], [128], "stats_early=1,dq_fence_late=0")
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / head dim")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--save", default="", help="also save each case's records to SAVE-hd<d>-<mask>.pt")
-    p.add_argument("--set", dest="overrides", type=parse_overrides, default={},
-                   help="configuration flags to override, e.g. stats_early=1,dq_fence_late=0")
-    opts = p.parse_args(argv)
-    opts.causal = {"no": [False], "yes": [True], "both": [False, True]}[opts.causal]
-    on_gpu(opts)
+    on_gpu(parse_timeline_args(p, argv))
     return 0
 
 

@@ -16,7 +16,6 @@ between them and idle at the end, and per warpgroup the cycles per block of each
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,8 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bwd_timeline import apply_overrides, parse_overrides  # noqa: E402
-from timeline_lib import mean_us, phase_means, sm_time, unwrap_rows  # noqa: E402
+from timeline_lib import (  # noqa: E402
+    apply_overrides, mean_us, parse_timeline_args, phase_means, sm_time, timeline_parser, unwrap_rows,
+)
 
 PHASES = ("K wait", "turn wait", "S + P·V issue", "S wait", "softmax", "P·V wait", "rescale + P")
 RECORD_INTS = 32  # smid, blocks, 5 stamps, pad, up to 3 x (7 phases + blocks)
@@ -141,18 +141,8 @@ def on_gpu(opts) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head-dims", type=lambda x: [int(v) for v in x.split(",")], default=[64, 128, 256])
-    p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--save", default="", help="also save each case's records to SAVE-hd<d>-<mask>.pt")
-    p.add_argument("--set", dest="overrides", type=parse_overrides, default={},
-                   help="configuration flags to override, e.g. lazy_rescale=0")
-    opts = p.parse_args(argv)
-    opts.causal = {"no": [False], "yes": [True], "both": [False, True]}[opts.causal]
-    on_gpu(opts)
+    p = timeline_parser(__doc__.splitlines()[0], [64, 128, 256], "lazy_rescale=0")
+    on_gpu(parse_timeline_args(p, argv))
     return 0
 
 

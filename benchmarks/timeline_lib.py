@@ -5,6 +5,9 @@ phase summed over the row's steps followed by their count. Pure Python; the CPU 
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import replace
+
 
 def unwrap(stamps):
     """The low 32 bits of the nanosecond timer -> nanoseconds since the earliest stamp (a kernel
@@ -58,3 +61,43 @@ def mean_us(values) -> float:
     """The mean of nanosecond values, in microseconds (nan for none)."""
     values = list(values)
     return sum(values) / len(values) / 1000 if values else float("nan")
+
+
+def parse_overrides(text: str) -> dict:
+    """'stats_early=1,tile_m=64' -> {'stats_early': True, 'tile_m': 64} (0/1 are booleans for
+    boolean flags, which `apply_overrides` checks)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        out[key.strip()] = int(value)
+    return out
+
+
+def apply_overrides(config, overrides: dict):
+    values = {}
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise SystemExit(f"--set: the configuration has no flag {key!r}")
+        values[key] = bool(value) if isinstance(getattr(config, key), bool) else value
+    return replace(config, **values)
+
+
+def timeline_parser(description: str, head_dims: list, set_example: str) -> argparse.ArgumentParser:
+    """The arguments both profiling tools take."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--head-dims", type=lambda x: [int(v) for v in x.split(",")], default=head_dims)
+    p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--save", default="", help="also save each case's records to SAVE-hd<d>-<mask>.pt")
+    p.add_argument("--set", dest="overrides", type=parse_overrides, default={},
+                   help=f"configuration flags to override, e.g. {set_example}")
+    return p
+
+
+def parse_timeline_args(p: argparse.ArgumentParser, argv):
+    """`p`'s arguments, --causal as the list of masks to run."""
+    opts = p.parse_args(argv)
+    opts.causal = {"no": [False], "yes": [True], "both": [False, True]}[opts.causal]
+    return opts

@@ -538,17 +538,17 @@ def test_bwd_timeline_summary_splits_sm_time_and_phases():
 
 
 def test_bwd_timeline_overrides_are_checked_flags():
-    import bwd_timeline as tl
+    import timeline_lib as tlib
     from cute_flash.kernels.sm90.bwd_config import make_config
 
     base = make_config("bfloat16", 128, 128, causal=True)
-    flipped = tl.apply_overrides(base, tl.parse_overrides("stats_early=1, dq_fence_late=0"))
+    flipped = tlib.apply_overrides(base, tlib.parse_overrides("stats_early=1, dq_fence_late=0"))
     assert flipped.stats_early is True and flipped.dq_fence_late is False
     wide = make_config("bfloat16", 64, 64)
-    narrow = tl.apply_overrides(wide, tl.parse_overrides("tile_m=64,dq_rows=0,dq_split=1,dv_after_ds=0"))
+    narrow = tlib.apply_overrides(wide, tlib.parse_overrides("tile_m=64,dq_rows=0,dq_split=1,dv_after_ds=0"))
     assert narrow.tile_m == 64 and not narrow.dq_rows
     with pytest.raises(SystemExit, match="no flag"):
-        tl.apply_overrides(base, {"no_such_flag": 1})
+        tlib.apply_overrides(base, {"no_such_flag": 1})
 
 
 def test_fwd_timeline_summary_and_records_from_the_lse():

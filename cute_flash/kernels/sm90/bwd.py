@@ -93,9 +93,20 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from ..common.block_info import BlockInfo, effective_window
 from ..common.seqlen_info import SeqlenInfo
-from ..common.smem_layouts import swizzle_params, wgmma_smem_layout_atom, wgmma_smem_layout_tile
+from ..common.smem_layouts import (
+    swizzle_params,
+    wgmma_smem_layout_atom,
+    wgmma_smem_layout_tile,
+)
+from ..common.timeline import TimelineCounters
 from ..common.utils import acc_mn_view, exp2f, make_s2g_copy, store_staged_rows, tanhf
-from .bwd_config import LPT_GROUP_CTAS, NUM_CONSUMER_WGS, STAT_ALIGN, TIMELINE_PHASES, Sm90BwdConfig
+from .bwd_config import (
+    LPT_GROUP_CTAS,
+    NUM_CONSUMER_WGS,
+    STAT_ALIGN,
+    TIMELINE_PHASES,
+    Sm90BwdConfig,
+)
 from .fwd import FlashFwdSm90, tile_coords, tma_view
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
 
@@ -131,7 +142,7 @@ def stats_view(mX: cute.Tensor, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
     return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=order))
 
 
-class FlashBwdSm90:
+class FlashBwdSm90(TimelineCounters):
     """The sm_90 backward kernel for one `Sm90BwdConfig`."""
 
     def __init__(self, config: Sm90BwdConfig):
@@ -617,10 +628,7 @@ class FlashBwdSm90:
         # this warpgroup's fp32 dQ partial -> its shared-memory tile (pairs of floats), which it
         # then adds to dQaccum in global memory with a TMA reduce-add
         sdQ_wg = sdQ[None, None, wg_idx, None]  # (rows, cols, stage)
-        r2s_dQ = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ
-        ).get_slice(ctidx % 128)
-        tdQsdQ = r2s_dQ.partition_D(sdQ_wg)
+        r2s_dQ, tdQsdQ = self.dq_smem_copy(tiled_mma_dQ, sdQ, wg_idx, ctidx)
         # the warpgroup's first warp issues it (a TMA copy elects its lane among a whole warp)
         dq_warp = cute.arch.make_warp_uniform(ctidx // 32) % 4 == 0
 
@@ -652,21 +660,11 @@ class FlashBwdSm90:
             rows_k = seqlen.seqlen_k - n_block * cfg.tile_n
             if cutlass.const_expr(cfg.seqused_k or cfg.varlen_k):
                 if rows_k < cfg.tile_n:
-                    self.zero_rows(sK, cfg.head_dim, rows_k, ctidx, wg_idx)
-                    self.zero_rows(sV, cfg.head_dim_v, rows_k, ctidx, wg_idx)
-                    cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by WGMMA
-                    if cutlass.const_expr(cfg.dkv_split):  # both warpgroups read every row
-                        cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
-                    else:
-                        cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                    self.zero_kv_tail(sK, sV, rows_k, ctidx, wg_idx)
 
             offset = seqlen.seqlen_k - seqlen.seqlen_q
             n_lo = n_block * cfg.tile_n
-            # this thread's first query in the LSE / D buffers, which start `offset_q % STAT_ALIGN`
-            # rows early in a varlen batch (`stat_block`)
-            stat_query = thr_query
-            if cutlass.const_expr(cfg.varlen_q):
-                stat_query = thr_query + seqlen.offset_q % STAT_ALIGN
+            stat_query = self.stat_row(thr_query, seqlen)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             # with `dk_after_dq` a stage is released one block late, once its dK GEMM is done
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
@@ -707,22 +705,8 @@ class FlashBwdSm90:
                         pipeline_q.consumer_release(release_state)
                         release_state.advance()
 
-                # the masked path: tails on either side, the causal diagonal, the window edges
-                masked = (n_lo + cfg.tile_n > seqlen.seqlen_k) | (m_lo + cfg.tile_m > seqlen.seqlen_q)
-                if cutlass.const_expr(cfg.causal or cfg.local):
-                    masked = masked | (n_lo + cfg.tile_n - 1 > m_lo + offset + right)
-                if cutlass.const_expr(cfg.local):
-                    masked = masked | (n_lo < m_lo + cfg.tile_m - 1 + offset - left)
-                if masked:
-                    # a (key, query) pair of this thread is key0 + k, query0 + q with (k, q) thread
-                    # 0's coordinates; the limits below move this thread's part to the right side
-                    key0, query0 = n_lo + thr_key, m_lo + thr_query
-                    limits = (
-                        seqlen.seqlen_k - key0,  # k >= this: key past seqlen_k
-                        seqlen.seqlen_q - query0,  # q >= this: query past seqlen_q
-                        query0 + offset + right - key0,  # k - q > this: right of the window / diagonal
-                        query0 + offset - left - key0,  # k - q < this: left of the window
-                    )
+                if self.masked_block(seqlen, n_lo, m_lo, offset, left, right):
+                    limits = self.hidden_limits(seqlen, n_lo + thr_key, m_lo + thr_query, offset, left, right)
                     self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
                 else:
                     self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
@@ -788,13 +772,7 @@ class FlashBwdSm90:
                     state.advance()
 
                 if cutlass.const_expr(cfg.dq_writer):
-                    buf = it % cfg.dq_stages
-                    if it >= cfg.dq_stages:  # the writer warp's last reduce-add from this tile has read it
-                        cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf),
-                                          number_of_threads=128 + 32)
-                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
-                    if cutlass.const_expr(not cfg.dq_fence_late):
-                        self.hand_over_dq(wg_idx, buf)
+                    self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, wg_idx, it)
                 else:
                     cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, 0])
                     cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
@@ -883,11 +861,7 @@ class FlashBwdSm90:
         ).get_slice(ctidx)
         tPdSsPdS = stsm_PdS.partition_D(transposed(sdS))  # (..., ds_stages + 1)
         p_stage = cfg.ds_stages
-        sdQ_wg = sdQ[None, None, wg_idx, None]
-        r2s_dQ = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ
-        ).get_slice(ctidx % 128)
-        tdQsdQ = r2s_dQ.partition_D(sdQ_wg)
+        r2s_dQ, tdQsdQ = self.dq_smem_copy(tiled_mma_dQ, sdQ, wg_idx, ctidx)
 
         tile_S = (cfg.tile_m, cfg.tile_n)
         # (query, key) coordinates: this thread's first and thread 0's (see `consume`)
@@ -904,17 +878,11 @@ class FlashBwdSm90:
             pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
             if cutlass.const_expr(cfg.seqused_k or cfg.varlen_k):
                 if rows_k < cfg.tile_n:
-                    self.zero_rows(sK, cfg.head_dim, rows_k, ctidx, wg_idx)
-                    self.zero_rows(sV, cfg.head_dim_v, rows_k, ctidx, wg_idx)
-                    cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by WGMMA
-                    # the dQ GEMMs of both warpgroups read every row of K
-                    cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+                    self.zero_kv_tail(sK, sV, rows_k, ctidx, wg_idx)
 
             offset = seqlen.seqlen_k - seqlen.seqlen_q
             n_lo = n_block * cfg.tile_n
-            stat_query = thr_query
-            if cutlass.const_expr(cfg.varlen_q):
-                stat_query = thr_query + seqlen.offset_q % STAT_ALIGN
+            stat_query = self.stat_row(thr_query, seqlen)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             do_state = None
             if cutlass.const_expr(cfg.single_dout):
@@ -941,19 +909,8 @@ class FlashBwdSm90:
                         self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
                 warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S is in
 
-                masked = (n_lo + cfg.tile_n > seqlen.seqlen_k) | (m_lo + cfg.tile_m > seqlen.seqlen_q)
-                if cutlass.const_expr(cfg.causal or cfg.local):
-                    masked = masked | (n_lo + cfg.tile_n - 1 > m_lo + offset + right)
-                if cutlass.const_expr(cfg.local):
-                    masked = masked | (n_lo < m_lo + cfg.tile_m - 1 + offset - left)
-                if masked:
-                    key0, query0 = n_lo + thr_key, m_lo + thr_query
-                    limits = (
-                        seqlen.seqlen_k - key0,
-                        seqlen.seqlen_q - query0,
-                        query0 + offset + right - key0,
-                        query0 + offset - left - key0,
-                    )
+                if self.masked_block(seqlen, n_lo, m_lo, offset, left, right):
+                    limits = self.hidden_limits(seqlen, n_lo + thr_key, m_lo + thr_query, offset, left, right)
                     self.probs(acc_S, rP, sLSE_thr, None, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale,
                                query_mode=0)
                 else:
@@ -1004,13 +961,7 @@ class FlashBwdSm90:
                         cute.arch.barrier_arrive(barrier_id=self.barrier_ds_read + wg_idx,
                                                  number_of_threads=self.num_consumer_threads)
 
-                buf = it % cfg.dq_stages
-                if it >= cfg.dq_stages:  # the writer warp's last reduce-add from this tile has read it
-                    cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf),
-                                      number_of_threads=128 + 32)
-                cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
-                if cutlass.const_expr(not cfg.dq_fence_late):
-                    self.hand_over_dq(wg_idx, buf)
+                self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, wg_idx, it)
                 warpgroup.wait_group(0)  # dK^T is in: the end of every read of this stage
                 pipeline_q.consumer_release(state)
                 state.advance()
@@ -1028,22 +979,72 @@ class FlashBwdSm90:
         self.store_staged_tile(sK, mdK, seqlen, batch, head_k, n_block, rows_k, cfg.head_dim, ctidx)
         self.store_staged_tile(sV, mdV, seqlen, batch, head_k, n_block, rows_k, cfg.head_dim_v, ctidx)
 
-    @cute.jit
-    def stamp(self, stamps, i: cutlass.Constexpr):
-        """`timeline`: the low 32 bits of the global nanosecond timer into `stamps[i]`."""
-        if cutlass.const_expr(self.cfg.timeline):
-            stamps[i] = cute.arch.globaltimer_lo()
+    def dq_smem_copy(self, tiled_mma_dQ: cute.TiledMma, sdQ, wg_idx, ctidx):
+        """The copy of this warpgroup's fp32 dQ tile (pairs of floats) from its accumulator to its
+        shared-memory tiles (`dq_stages` of them), the sources of its TMA reduce-adds: (copy, the
+        thread's partition of the tiles)."""
+        r2s_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ
+        ).get_slice(ctidx % 128)
+        return r2s_dQ, r2s_dQ.partition_D(sdQ[None, None, wg_idx, None])
 
     @cute.jit
-    def tick(self, phases, i: cutlass.Constexpr, last):
-        """`timeline`: the SM clock now; the cycles since `last` are added to phase `i` (none for
-        `i` = -1). Without `timeline` nothing is read."""
-        now = last
-        if cutlass.const_expr(self.cfg.timeline):
-            now = Int32(cute.arch.clock64())
-            if cutlass.const_expr(i >= 0):
-                phases[i] = phases[i] + (now - last)
-        return now
+    def write_dq_tile(self, r2s_dQ, acc_dQ, tdQsdQ, wg_idx, it):
+        """`dq_writer`: block `it`'s dQ tile into this warpgroup's shared-memory tile, once the
+        writer warp's last reduce-add from it has read it, and (unless `dq_fence_late`) over to
+        the writer."""
+        cfg = self.cfg
+        buf = it % cfg.dq_stages
+        if it >= cfg.dq_stages:
+            cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf), number_of_threads=128 + 32)
+        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
+        if cutlass.const_expr(not cfg.dq_fence_late):
+            self.hand_over_dq(wg_idx, buf)
+
+    @cute.jit
+    def zero_kv_tail(self, sK, sV, rows_k, ctidx, wg_idx):
+        """K and V rows at or past `rows_k` (a stale cache past seqlen_k may hold NaN) set to 0
+        before any GEMM reads them; with `dkv_split` both warpgroups read every row."""
+        cfg = self.cfg
+        self.zero_rows(sK, cfg.head_dim, rows_k, ctidx, wg_idx)
+        self.zero_rows(sV, cfg.head_dim_v, rows_k, ctidx, wg_idx)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by WGMMA
+        if cutlass.const_expr(cfg.dkv_split):
+            cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+        else:
+            cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+
+    @cute.jit
+    def stat_row(self, thr_query, seqlen: SeqlenInfo):
+        """This thread's first query in the LSE / D buffers, which start `offset_q % STAT_ALIGN`
+        rows early in a varlen batch (`stat_block`)."""
+        row = thr_query
+        if cutlass.const_expr(self.cfg.varlen_q):
+            row = thr_query + seqlen.offset_q % STAT_ALIGN
+        return row
+
+    @cute.jit
+    def masked_block(self, seqlen: SeqlenInfo, n_lo, m_lo, offset, left, right):
+        """Whether the block of keys from `n_lo` and queries from `m_lo` takes the masked path:
+        tails on either side, the causal diagonal, the window edges."""
+        cfg = self.cfg
+        masked = (n_lo + cfg.tile_n > seqlen.seqlen_k) | (m_lo + cfg.tile_m > seqlen.seqlen_q)
+        if cutlass.const_expr(cfg.causal or cfg.local):
+            masked = masked | (n_lo + cfg.tile_n - 1 > m_lo + offset + right)
+        if cutlass.const_expr(cfg.local):
+            masked = masked | (n_lo < m_lo + cfg.tile_m - 1 + offset - left)
+        return masked
+
+    def hidden_limits(self, seqlen: SeqlenInfo, key0, query0, offset, left, right) -> tuple:
+        """The masked path's limits for `probs`: a (key, query) pair of this thread is key0 + k,
+        query0 + q with (k, q) thread 0's coordinates; the limits move this thread's part to the
+        right side."""
+        return (
+            seqlen.seqlen_k - key0,  # k >= this: key past seqlen_k
+            seqlen.seqlen_q - query0,  # q >= this: query past seqlen_q
+            query0 + offset + right - key0,  # k - q > this: right of the window / diagonal
+            query0 + offset - left - key0,  # k - q < this: left of the window
+        )
 
     @cute.jit
     def write_timeline(self, stamps, phases, mdK, seqlen: SeqlenInfo, batch, head_k, n_block, steps, ctidx, wg_idx):

@@ -69,6 +69,7 @@ from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
 from ..common.softmax import OnlineSoftmax
 from ..common.tiles import LAZY_RESCALE_LOG2
+from ..common.timeline import TimelineCounters
 from ..common.utils import acc_mn_view, col_predicate, store_pairs_16bit, tanhf
 from .fwd_config import TIMELINE_PHASES, Sm90FwdConfig
 from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
@@ -112,7 +113,7 @@ def tile_coords(tile, num_m_blocks, num_heads, num_batch, heads_per_section, lon
     return m_block, pair % num_heads, pair // num_heads
 
 
-class FlashFwdSm90:
+class FlashFwdSm90(TimelineCounters):
     """The sm_90 forward kernel for one `Sm90FwdConfig` (all compile-time choices live there)."""
 
     def __init__(self, config: Sm90FwdConfig):
@@ -727,23 +728,6 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.timeline):
             phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
         return kv_s
-
-    @cute.jit
-    def stamp(self, stamps, i: cutlass.Constexpr):
-        """`timeline`: the low 32 bits of the global nanosecond timer into `stamps[i]`."""
-        if cutlass.const_expr(self.cfg.timeline):
-            stamps[i] = cute.arch.globaltimer_lo()
-
-    @cute.jit
-    def tick(self, phases, i: cutlass.Constexpr, last):
-        """`timeline`: the SM clock now; the cycles since `last` are added to phase `i` (none for
-        `i` = -1). Without `timeline` nothing is read."""
-        now = last
-        if cutlass.const_expr(self.cfg.timeline):
-            now = Int32(cute.arch.clock64())
-            if cutlass.const_expr(i >= 0):
-                phases[i] = phases[i] + (now - last)
-        return now
 
     @cute.jit
     def write_timeline(self, stamps, phases, mLSE, seqlen: SeqlenInfo, m_block, head, batch, blocks, ctidx, wg_idx):
