@@ -27,3 +27,17 @@ class TimelineCounters:
             if cutlass.const_expr(i >= 0):
                 phases[i] = phases[i] + (now - last)
         return now
+
+    @cute.jit
+    def write_record(self, row, stamps, num_stamps: cutlass.Constexpr, phases, count, ctidx, wg_idx):
+        """A profiling record into `row` (int32s): the SM, `count` (the steps or key blocks) and
+        the `num_stamps` stamps from thread 0, and from thread 0 of each consumer warpgroup w
+        its phase cycles and step count from column 8 + 8w."""
+        if ctidx == 0:
+            row[0] = cute.arch.smid()
+            row[1] = count
+            for i in cutlass.range_constexpr(num_stamps):
+                row[2 + i] = stamps[i]
+        if ctidx % 128 == 0:
+            for i in cutlass.range_constexpr(cute.size(phases)):
+                row[8 + wg_idx * 8 + i] = phases[i]

@@ -1053,14 +1053,7 @@ class FlashBwdSm90(TimelineCounters):
         cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
         self.stamp(stamps, 5)
         row = cute.recast_tensor(seqlen.k_rows(mdK, batch, head_k)[n_block * self.cfg.tile_n, None], Int32)
-        if ctidx == 0:
-            row[0] = cute.arch.smid()
-            row[1] = steps
-            for i in cutlass.range_constexpr(6):
-                row[2 + i] = stamps[i]
-        if ctidx % 128 == 0:
-            for i in cutlass.range_constexpr(TIMELINE_PHASES + 1):
-                row[8 + wg_idx * 8 + i] = phases[i]
+        self.write_record(row, stamps, 6, phases, steps, ctidx, wg_idx)
 
     @cute.jit
     def hand_over_dq(self, wg_idx, buf):

@@ -737,14 +737,7 @@ class FlashFwdSm90(TimelineCounters):
         if seqlen.seqlen_q - m_block * cfg.tile_m >= 32:
             gLSE = cute.local_tile(seqlen.lse_row(mLSE, batch, head), (cfg.tile_m,), (m_block,))
             row = cute.make_tensor(cute.recast_ptr(gLSE.iterator, dtype=Int32), cute.make_layout(32))
-            if ctidx == 0:
-                row[0] = cute.arch.smid()
-                row[1] = blocks
-                for i in cutlass.range_constexpr(5):
-                    row[2 + i] = stamps[i]
-            if ctidx % 128 == 0:
-                for i in cutlass.range_constexpr(TIMELINE_PHASES + 1):
-                    row[8 + wg_idx * 8 + i] = phases[i]
+            self.write_record(row, stamps, 5, phases, blocks, ctidx, wg_idx)
 
     @cute.jit
     def rescale_O(self, softmax: OnlineSoftmax, acc_O, correction):
