@@ -114,6 +114,9 @@ def on_gpu(opts) -> None:
             h = opts.hidden // d
             args, tensors, grads = problem(b, s, h, d, causal)
             shipped = apply_overrides(make_config("bfloat16", d, d, causal=causal), opts.overrides)
+            if shipped.keys_n:
+                raise SystemExit(f"head dim {d}: the 96-key tile (keys_n) has no profiling build; "
+                                 "--set keys_n=0,single_dout=0 profiles the 64-key tile instead")
             profiled = replace(shipped, timeline=True)
             times = {"shipped": [], "profiling": []}
             for _ in range(opts.rounds):

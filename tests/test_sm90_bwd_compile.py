@@ -140,6 +140,8 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
         replace(bc.make_config("bfloat16", 256, 256), keys_n=True)
     with pytest.raises(ValueError, match="profiling"):
         replace(config, timeline=True)
+    with pytest.raises(ValueError, match="keys_n needs dq_writer"):
+        replace(config, dq_writer=False)
     with pytest.raises(ValueError, match="single_dout needs keys_n"):
         replace(bc.make_config("bfloat16", 256, 256), single_dout=True)
 

@@ -836,7 +836,7 @@ class FlashBwdSm90(TimelineCounters):
         through the shared memory of K and V. With `single_dout` dO and D come through a
         one-stage ring of their own (`pipeline_do`), released once dV^T is done, and dS^T has one
         buffer: a warpgroup writes its rows only after the other has arrived from the previous
-        block's dQ GEMM (`BARRIER_DS_READ`)."""
+        block's dQ GEMM (`barrier_ds_read`)."""
         cfg = self.cfg
         wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
         thr_mma_SdP = tiled_mma_SdP.get_slice(ctidx)

@@ -274,6 +274,9 @@ class Sm90BwdConfig:
             raise ValueError("unequal head dims of Q and V need dkv_split")
         if self.single_dout and not self.keys_n:
             raise ValueError("single_dout needs keys_n")
+        if self.keys_n and not self.dq_writer:
+            # its consumers hand every dQ tile to the writer warp (`write_dq_tile`)
+            raise ValueError("keys_n needs dq_writer")
         if self.tile_m != (128 if self.dq_rows else 64):
             # the M of the dQ GEMM: one m64 WGMMA per warpgroup, over 64 of 128 rows with `dq_rows`
             raise ValueError(f"tile_m must be 64, or 128 with dq_rows; got {self.tile_m}")
@@ -405,7 +408,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dv_after_ds", tile.dv_after_ds)
     flags.setdefault("dkv_split", tile.dkv_split)
     keys_n_asked = "keys_n" in flags
-    flags.setdefault("keys_n", tile.keys_n and hd == 192)  # Q's head dim 192, V's up to 192
+    # Q's head dim 192, V's up to 192, with the dQ writer warp
+    flags.setdefault("keys_n", tile.keys_n and hd == 192 and flags["dq_writer"])
     flags.setdefault("lpt", flags.get("causal", False))
     flags.setdefault("dkv_staged", True)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
