@@ -889,7 +889,7 @@ class FlashBwdSm90(TimelineCounters):
                 do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.dout_stages)
             steps = m_steps * group
             for it in cutlass.range(steps, unroll=1):
-                head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
+                _, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
                 m_lo = m_block * cfg.tile_m
                 stage = state.index
                 pipeline_q.consumer_wait(state)
