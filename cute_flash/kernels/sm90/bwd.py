@@ -803,8 +803,9 @@ class FlashBwdSm90(TimelineCounters):
             # ---- epilogue: dK (scaled) and dV in the input dtype ----
             acc_dK.store(acc_dK.load() * softmax_scale)
             if cutlass.const_expr(cfg.dkv_staged):
-                self.store_staged(acc_dK, acc_dV, sQ, sdO, mdK, mdV, seqlen, batch, head_k, n_block,
-                                  tiled_mma_dK, tiled_mma_dV, ctidx)
+                sdK, sdV = self.staging_tile(sQ, cfg.head_dim), self.staging_tile(sdO, cfg.head_dim_v)
+                self.stage_dkv(acc_dK, acc_dV, sdK, sdV, tiled_mma_dK, tiled_mma_dV, ctidx)
+                self.store_dkv(sdK, sdV, mdK, mdV, seqlen, batch, head_k, n_block, ctidx)
             else:
                 self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
                 self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
@@ -840,7 +841,9 @@ class FlashBwdSm90(TimelineCounters):
         cfg = self.cfg
         wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
         thr_mma_SdP = tiled_mma_SdP.get_slice(ctidx)
-        thr_mma_dKV = tiled_mma_dK.get_slice(ctidx)
+        # dK^T and dV^T share one tiled MMA (head dim x keys; `__call__`)
+        thr_mma_dK = tiled_mma_dK.get_slice(ctidx)
+        thr_mma_dV = tiled_mma_dV.get_slice(ctidx)
         thr_mma_dQ = tiled_mma_dQ.get_slice(ctidx % 128)
 
         tSrQ = tiled_mma_SdP.make_fragment_A(thr_mma_SdP.partition_A(sQ))
@@ -848,9 +851,9 @@ class FlashBwdSm90(TimelineCounters):
         tdPrdO = tiled_mma_SdP.make_fragment_A(thr_mma_SdP.partition_A(sdO))
         tdPrV = tiled_mma_SdP.make_fragment_B(thr_mma_SdP.partition_B(sV))
         # dV^T / dK^T: A the MN-major views of dO and Q, B the warpgroup's keys of P^T / dS^T
-        tdVrdOt = tiled_mma_dK.make_fragment_A(thr_mma_dKV.partition_A(transposed(sdO)))
-        tdKrQt = tiled_mma_dK.make_fragment_A(thr_mma_dKV.partition_A(transposed(sQ)))
-        tdKVrPdS = tiled_mma_dK.make_fragment_B(thr_mma_dKV.partition_B(sdS))  # (..., ds_stages + 1)
+        tdVrdOt = tiled_mma_dV.make_fragment_A(thr_mma_dV.partition_A(transposed(sdO)))
+        tdKrQt = tiled_mma_dK.make_fragment_A(thr_mma_dK.partition_A(transposed(sQ)))
+        tdKVrPdS = tiled_mma_dK.make_fragment_B(thr_mma_dK.partition_B(sdS))  # (..., ds_stages + 1)
         # dQ: A = dS (MN-major view of dS^T, all 96 keys), B = K^T over this warpgroup's columns
         tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS)))
         sK_wg = cute.local_tile(sK, (cfg.tile_n, cfg.dq_cols), (0, wg_idx))
@@ -870,8 +873,8 @@ class FlashBwdSm90(TimelineCounters):
         t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_SdP.get_slice(0).partition_C(cS)))
         rP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
         rdS = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
-        acc_dK = cute.make_rmem_tensor(thr_mma_dKV.partition_shape_C((cfg.head_dim, cfg.tile_n)), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_mma_dKV.partition_shape_C((cfg.head_dim_v, cfg.tile_n)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_mma_dK.partition_shape_C((cfg.head_dim, cfg.tile_n)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_mma_dV.partition_shape_C((cfg.head_dim_v, cfg.tile_n)), Float32)
         rows_k = seqlen.seqlen_k - n_block * cfg.tile_n
 
         if m_steps > 0:
@@ -925,7 +928,7 @@ class FlashBwdSm90(TimelineCounters):
                 if cutlass.const_expr(not cfg.dv_after_ds):
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
-                    gemm_accumulate_if(tiled_mma_dK, acc_dV, tdVrdOt[None, None, None, do_stage],
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrdOt[None, None, None, do_stage],
                                        tdKVrPdS[None, None, None, p_stage], it > 0)
                 warpgroup.wait_group(0 if cutlass.const_expr(cfg.dv_after_ds) else 1)  # dP is in; dV^T runs on
 
@@ -947,7 +950,7 @@ class FlashBwdSm90(TimelineCounters):
                 # both warpgroups' dS^T rows are in (see `consume` for the two buffers)
                 cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
                 if cutlass.const_expr(cfg.dv_after_ds):  # (flash-attn-4's order)
-                    gemm_accumulate_if(tiled_mma_dK, acc_dV, tdVrdOt[None, None, None, do_stage],
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrdOt[None, None, None, do_stage],
                                        tdKVrPdS[None, None, None, p_stage], it > 0)
                 acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.tile_m, cfg.dq_cols)), Float32)
                 gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
@@ -968,16 +971,12 @@ class FlashBwdSm90(TimelineCounters):
             if cutlass.const_expr(cfg.dq_fence_late):
                 self.hand_over_dq(wg_idx, (steps - 1) % cfg.dq_stages)
             acc_dK.store(acc_dK.load() * softmax_scale)
-            # every dQ GEMM (both warpgroups read all of K) is done before K's memory is rewritten
-            cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
-            self.stage_acc(acc_dK, sK, tiled_mma_dK, ctidx, transpose=True)
-            self.stage_acc(acc_dV, sV, tiled_mma_dK, ctidx, transpose=True)
+            # (every dQ GEMM, which reads all of K, is done before K's memory is rewritten)
+            self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dK, tiled_mma_dV, ctidx, transpose=True)
         else:  # no query block sees these keys: dK = dV = 0
             self.zero_rows(sK, cfg.head_dim, 0, ctidx, wg_idx)
             self.zero_rows(sV, cfg.head_dim_v, 0, ctidx, wg_idx)
-        cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
-        self.store_staged_tile(sK, mdK, seqlen, batch, head_k, n_block, rows_k, cfg.head_dim, ctidx)
-        self.store_staged_tile(sV, mdV, seqlen, batch, head_k, n_block, rows_k, cfg.head_dim_v, ctidx)
+        self.store_dkv(sK, sV, mdK, mdV, seqlen, batch, head_k, n_block, ctidx)
 
     def dq_smem_copy(self, tiled_mma_dQ: cute.TiledMma, sdQ, wg_idx, ctidx):
         """The copy of this warpgroup's fp32 dQ tile (pairs of floats) from its accumulator to its
@@ -1129,18 +1128,22 @@ class FlashBwdSm90(TimelineCounters):
                 sX[row, idx % cols] = self.dtype(0)
 
     @cute.jit
-    def store_staged(self, acc_dK, acc_dV, sQ, sdO, mdK, mdV, seqlen: SeqlenInfo, batch, head_k, n_block,
-                     tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma, ctidx):
-        """`dkv_staged`: dK and dV rounded to the input dtype (RNE), written by stmatrix over Q's and
-        dO's shared memory, which no step reads any more, then stored from there by 128-bit copies,
-        rows inside the key sequence and columns inside the actual head dims only."""
-        cfg = self.cfg
-        sdK = self.staging_tile(sQ, cfg.head_dim)
-        sdV = self.staging_tile(sdO, cfg.head_dim_v)
-        # both warpgroups are done with the last block's Q and dO
+    def stage_dkv(self, acc_dK, acc_dV, sdK, sdV, tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma, ctidx,
+                  transpose: cutlass.Constexpr = False):
+        """dK and dV rounded to the input dtype (RNE) into the (tile_n, d) tiles `sdK` / `sdV` by
+        stmatrix, once both warpgroups are done reading that shared memory: Q's and dO's
+        (`dkv_staged`, `staging_tile`) or, for `keys_n`, whose accumulators are dK^T and dV^T
+        (`transpose`), K's and V's. `store_dkv` stores them."""
         cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
-        self.stage_acc(acc_dK, sdK, tiled_mma_dK, ctidx)
-        self.stage_acc(acc_dV, sdV, tiled_mma_dV, ctidx)
+        self.stage_acc(acc_dK, sdK, tiled_mma_dK, ctidx, transpose=transpose)
+        self.stage_acc(acc_dV, sdV, tiled_mma_dV, ctidx, transpose=transpose)
+
+    @cute.jit
+    def store_dkv(self, sdK, sdV, mdK, mdV, seqlen: SeqlenInfo, batch, head_k, n_block, ctidx):
+        """The staged dK and dV tiles to global memory by 128-bit copies, rows inside the key
+        sequence and columns inside the actual head dims only (after a barrier of both warpgroups:
+        each stores rows the other staged)."""
+        cfg = self.cfg
         cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
         rows = seqlen.seqlen_k - n_block * cfg.tile_n
         self.store_staged_tile(sdK, mdK, seqlen, batch, head_k, n_block, rows, cfg.head_dim, ctidx)
