@@ -595,36 +595,39 @@ class FlashBwdSm90(TimelineCounters):
         thr_mma_dK = tiled_mma_dK.get_slice(ctidx)
         thr_mma_dV = tiled_mma_dV.get_slice(ctidx)
         thr_mma_dQ = tiled_mma_dQ.get_slice(ctidx % 128)
+        # shared-memory operands sliced by the warpgroup's first thread (see `FlashFwdSm90.consume`)
+        wg_mma_SdP, wg_mma_dK, wg_mma_dV, wg_mma_dQ = self.wg_slices(
+            wg_idx, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ)
 
-        tSrK = tiled_mma_SdP.make_fragment_A(thr_mma_SdP.partition_A(sK))
-        tSrQ = tiled_mma_SdP.make_fragment_B(thr_mma_SdP.partition_B(sQ))
-        tdPrV = tiled_mma_SdP.make_fragment_A(thr_mma_SdP.partition_A(sV))
-        tdPrdO = tiled_mma_SdP.make_fragment_B(thr_mma_SdP.partition_B(sdO))
-        tdVrdOt = tiled_mma_dV.make_fragment_B(thr_mma_dV.partition_B(transposed(sdO)))
-        tdKrQt = tiled_mma_dK.make_fragment_B(thr_mma_dK.partition_B(transposed(sQ)))
+        tSrK = tiled_mma_SdP.make_fragment_A(wg_mma_SdP.partition_A(sK))
+        tSrQ = tiled_mma_SdP.make_fragment_B(wg_mma_SdP.partition_B(sQ))
+        tdPrV = tiled_mma_SdP.make_fragment_A(wg_mma_SdP.partition_A(sV))
+        tdPrdO = tiled_mma_SdP.make_fragment_B(wg_mma_SdP.partition_B(sdO))
+        tdVrdOt = tiled_mma_dV.make_fragment_B(wg_mma_dV.partition_B(transposed(sdO)))
+        tdKrQt = tiled_mma_dK.make_fragment_B(wg_mma_dK.partition_B(transposed(sQ)))
         if cutlass.const_expr(cfg.dq_split):
             # every key of dS^T (both warpgroups' rows) and this warpgroup's half of K's columns
-            tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS)))
+            tdQrdS = tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(sdS)))
             sK_wg = cute.local_tile(sK, (cfg.tile_n, cfg.dq_cols), (0, wg_idx))
         elif cutlass.const_expr(cfg.dq_rows):
             # every key of dS^T, this warpgroup's 64 queries of the block; all of K
             sdS_wg = cute.local_tile(sdS, (cfg.tile_n, cfg.dq_rows_per_wg, cfg.ds_stages), (0, wg_idx, 0))
-            tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS_wg)))
+            tdQrdS = tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(sdS_wg)))
             sK_wg = sK
         else:
             # this warpgroup's 64 keys: its rows of dS^T and K
             sdS_wg = cute.local_tile(sdS, (64, cfg.tile_m, cfg.ds_stages), (wg_idx, 0, 0))
-            tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS_wg)))
+            tdQrdS = tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(sdS_wg)))
             sK_wg = cute.local_tile(sK, (64, cfg.head_dim), (wg_idx, 0))
-        tdQrKt = tiled_mma_dQ.make_fragment_B(thr_mma_dQ.partition_B(transposed(sK_wg)))
+        tdQrKt = tiled_mma_dQ.make_fragment_B(wg_mma_dQ.partition_B(transposed(sK_wg)))
         stsm_dS = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma_SdP
         ).get_slice(ctidx)
         tdSsdS = stsm_dS.partition_D(sdS)  # (..., ds_stages [+ p_stages])
         if cutlass.const_expr(cfg.dkv_split):
             # P^T and dS^T as the shared-memory A operands of dV and dK: (..., ds_stages + p_stages)
-            tdVsP = tiled_mma_dV.make_fragment_A(thr_mma_dV.partition_A(sdS))
-            tdKsdS = tiled_mma_dK.make_fragment_A(thr_mma_dK.partition_A(sdS))
+            tdVsP = tiled_mma_dV.make_fragment_A(wg_mma_dV.partition_A(sdS))
+            tdKsdS = tiled_mma_dK.make_fragment_A(wg_mma_dK.partition_A(sdS))
         # this warpgroup's fp32 dQ partial -> its shared-memory tile (pairs of floats), which it
         # then adds to dQaccum in global memory with a TMA reduce-add
         sdQ_wg = sdQ[None, None, wg_idx, None]  # (rows, cols, stage)
@@ -845,19 +848,22 @@ class FlashBwdSm90(TimelineCounters):
         thr_mma_dK = tiled_mma_dK.get_slice(ctidx)
         thr_mma_dV = tiled_mma_dV.get_slice(ctidx)
         thr_mma_dQ = tiled_mma_dQ.get_slice(ctidx % 128)
+        # shared-memory operands sliced by the warpgroup's first thread (see `FlashFwdSm90.consume`)
+        wg_mma_SdP, wg_mma_dK, wg_mma_dV, wg_mma_dQ = self.wg_slices(
+            wg_idx, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ)
 
-        tSrQ = tiled_mma_SdP.make_fragment_A(thr_mma_SdP.partition_A(sQ))
-        tSrK = tiled_mma_SdP.make_fragment_B(thr_mma_SdP.partition_B(sK))
-        tdPrdO = tiled_mma_SdP.make_fragment_A(thr_mma_SdP.partition_A(sdO))
-        tdPrV = tiled_mma_SdP.make_fragment_B(thr_mma_SdP.partition_B(sV))
+        tSrQ = tiled_mma_SdP.make_fragment_A(wg_mma_SdP.partition_A(sQ))
+        tSrK = tiled_mma_SdP.make_fragment_B(wg_mma_SdP.partition_B(sK))
+        tdPrdO = tiled_mma_SdP.make_fragment_A(wg_mma_SdP.partition_A(sdO))
+        tdPrV = tiled_mma_SdP.make_fragment_B(wg_mma_SdP.partition_B(sV))
         # dV^T / dK^T: A the MN-major views of dO and Q, B the warpgroup's keys of P^T / dS^T
-        tdVrdOt = tiled_mma_dV.make_fragment_A(thr_mma_dV.partition_A(transposed(sdO)))
-        tdKrQt = tiled_mma_dK.make_fragment_A(thr_mma_dK.partition_A(transposed(sQ)))
-        tdKVrPdS = tiled_mma_dK.make_fragment_B(thr_mma_dK.partition_B(sdS))  # (..., ds_stages + 1)
+        tdVrdOt = tiled_mma_dV.make_fragment_A(wg_mma_dV.partition_A(transposed(sdO)))
+        tdKrQt = tiled_mma_dK.make_fragment_A(wg_mma_dK.partition_A(transposed(sQ)))
+        tdKVrPdS = tiled_mma_dK.make_fragment_B(wg_mma_dK.partition_B(sdS))  # (..., ds_stages + 1)
         # dQ: A = dS (MN-major view of dS^T, all 96 keys), B = K^T over this warpgroup's columns
-        tdQrdS = tiled_mma_dQ.make_fragment_A(thr_mma_dQ.partition_A(transposed(sdS)))
+        tdQrdS = tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(sdS)))
         sK_wg = cute.local_tile(sK, (cfg.tile_n, cfg.dq_cols), (0, wg_idx))
-        tdQrKt = tiled_mma_dQ.make_fragment_B(thr_mma_dQ.partition_B(transposed(sK_wg)))
+        tdQrKt = tiled_mma_dQ.make_fragment_B(wg_mma_dQ.partition_B(transposed(sK_wg)))
         # P and dS (queries x keys fragments) into the (keys, queries) tiles: transposing stmatrix
         stsm_PdS = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(True, 4), self.dtype), tiled_mma_SdP
@@ -977,6 +983,15 @@ class FlashBwdSm90(TimelineCounters):
             self.zero_rows(sK, cfg.head_dim, 0, ctidx, wg_idx)
             self.zero_rows(sV, cfg.head_dim_v, 0, ctidx, wg_idx)
         self.store_dkv(sK, sV, mdK, mdV, seqlen, batch, head_k, n_block, ctidx)
+
+    def wg_slices(self, wg_idx, *tiled_mmas) -> tuple:
+        """Each tiled MMA sliced by warpgroup `wg_idx`'s first thread: the slices for the
+        shared-memory operands (partition_A / partition_B), which are the same for every thread of
+        a warpgroup. Sliced by the thread index instead, the descriptors are not warp-uniform and
+        ptxas rebuilds them before every HGMMA (R2UR and 64-bit adds); the accumulator partitions
+        stay per thread."""
+        first = wg_idx * 128
+        return tuple(t.get_slice(first if t.size > 128 else 0) for t in tiled_mmas)
 
     def dq_smem_copy(self, tiled_mma_dQ: cute.TiledMma, sdQ, wg_idx, ctidx):
         """The copy of this warpgroup's fp32 dQ tile (pairs of floats) from its accumulator to its
