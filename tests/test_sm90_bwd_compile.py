@@ -378,3 +378,9 @@ def test_sm90_bwd_compiles_without_spills_with_hgmma_tma_setmaxnreg_and_no_wgmma
     # ptxas serializes WGMMAs (waits after each) when it cannot keep their registers apart
     remarks = (tmp_path / config.name / "remarks.yaml").read_text()
     assert "wgmma.mma_async instructions are serialized" not in remarks
+    # the WGMMA descriptors stay in uniform registers: with the shared-memory operands sliced by
+    # the thread index, ptxas rebuilt them and moved them over (R2UR) before every HGMMA (the
+    # profiling build moves its clock reads through R2UR as well)
+    sass = (tmp_path / config.name / "kernel.sass").read_text()
+    if not config.timeline:
+        assert sass.count("R2UR ") < sass.count("HGMMA."), (sass.count("R2UR "), sass.count("HGMMA."))
