@@ -1,0 +1,37 @@
+"""The main loop of a kernel's SASS (as `nvdisasm -c` prints it) and checks on its WGMMAs."""
+
+import re
+
+
+def main_loop(sass: str) -> list:
+    """The instructions of the shortest loop (a branch back to a label) that issues HGMMAs."""
+    instructions, labels = [], {}
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m[1]] = len(instructions)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line):
+            instructions.append(m[1])
+    loop = []
+    for i, text in enumerate(instructions):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
+        if m and labels.get(m[1], i + 1) <= i:
+            body = instructions[labels[m[1]]:i + 1]
+            if any("HGMMA" in x for x in body) and (not loop or len(body) < len(loop)):
+                loop = body
+    return loop
+
+
+def descriptors_moved_from_thread_registers(loop: list) -> int:
+    """The HGMMAs of `loop` (in program order) one of whose descriptor registers (gdesc[URn]:
+    URn to URn+3) was last written by an R2UR, a move from a per-thread register: a descriptor
+    that ptxas could not keep uniform and rebuilds per thread."""
+    writer, moved = {}, 0
+    for text in loop:
+        opcode, _, operands = re.sub(r"^@!?U?P\w+\s+", "", text).partition(" ")
+        if "HGMMA" in opcode:
+            if m := re.search(r"gdesc\[UR(\d+)\]", operands):
+                moved += any(writer.get(r) == "R2UR" for r in range(int(m[1]), int(m[1]) + 4))
+        elif m := re.match(r"UR(\d+)\b", operands.strip()):
+            for r in range(int(m[1]), int(m[1]) + (2 if ".64" in opcode else 1)):
+                writer[r] = opcode.split(".")[0]
+    return moved
