@@ -631,7 +631,7 @@ class FlashBwdSm90(TimelineCounters):
         # this warpgroup's fp32 dQ partial -> its shared-memory tile (pairs of floats), which it
         # then adds to dQaccum in global memory with a TMA reduce-add
         sdQ_wg = sdQ[None, None, wg_idx, None]  # (rows, cols, stage)
-        r2s_dQ, tdQsdQ = self.dq_smem_copy(tiled_mma_dQ, sdQ, wg_idx, ctidx)
+        r2s_dQ, tdQsdQ, dq_swap = self.dq_smem_copy(tiled_mma_dQ, sdQ, wg_idx, ctidx)
         # the warpgroup's first warp issues it (a TMA copy elects its lane among a whole warp)
         dq_warp = cute.arch.make_warp_uniform(ctidx // 32) % 4 == 0
 
@@ -775,9 +775,9 @@ class FlashBwdSm90(TimelineCounters):
                     state.advance()
 
                 if cutlass.const_expr(cfg.dq_writer):
-                    self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, wg_idx, it)
+                    self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it)
                 else:
-                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, 0])
+                    self.store_dq(r2s_dQ, acc_dQ, tdQsdQ[None, None, None, 0], dq_swap)
                     cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
                     cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
                     if dq_warp:
@@ -870,7 +870,7 @@ class FlashBwdSm90(TimelineCounters):
         ).get_slice(ctidx)
         tPdSsPdS = stsm_PdS.partition_D(transposed(sdS))  # (..., ds_stages + 1)
         p_stage = cfg.ds_stages
-        r2s_dQ, tdQsdQ = self.dq_smem_copy(tiled_mma_dQ, sdQ, wg_idx, ctidx)
+        r2s_dQ, tdQsdQ, dq_swap = self.dq_smem_copy(tiled_mma_dQ, sdQ, wg_idx, ctidx)
 
         tile_S = (cfg.tile_m, cfg.tile_n)
         # (query, key) coordinates: this thread's first and thread 0's (see `consume`)
@@ -970,7 +970,7 @@ class FlashBwdSm90(TimelineCounters):
                         cute.arch.barrier_arrive(barrier_id=self.barrier_ds_read + wg_idx,
                                                  number_of_threads=self.num_consumer_threads)
 
-                self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, wg_idx, it)
+                self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it)
                 warpgroup.wait_group(0)  # dK^T is in: the end of every read of this stage
                 pipeline_q.consumer_release(state)
                 state.advance()
@@ -996,14 +996,73 @@ class FlashBwdSm90(TimelineCounters):
     def dq_smem_copy(self, tiled_mma_dQ: cute.TiledMma, sdQ, wg_idx, ctidx):
         """The copy of this warpgroup's fp32 dQ tile (pairs of floats) from its accumulator to its
         shared-memory tiles (`dq_stages` of them), the sources of its TMA reduce-adds: (copy, the
-        thread's partition of the tiles)."""
-        r2s_dQ = cute.make_tiled_copy_C(
+        thread's partition of the tiles, `dq_swap`'s pairing or None).
+
+        The pairing (`dq_swap`): for each copy slot k (two floats of a row) of the thread, the
+        slot p with the same rows 16 columns away, and the slot whose address k's is a multiple
+        of 1024 bytes from (the swizzle repeats every 1024 bytes, so k's address is that slot's
+        plus an immediate); and 64 if this thread's rows are odd, else 0."""
+        cfg = self.cfg
+        tiled_r2s = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ
-        ).get_slice(ctidx % 128)
-        return r2s_dQ, r2s_dQ.partition_D(sdQ[None, None, wg_idx, None])
+        )
+        r2s_dQ = tiled_r2s.get_slice(ctidx % 128)
+        tdQsdQ = r2s_dQ.partition_D(sdQ[None, None, wg_idx, None])
+        if cutlass.const_expr(not cfg.dq_swap):
+            return r2s_dQ, tdQsdQ, None
+        # (row, column) of each value: thread 0's are compile-time constants, and a thread's are
+        # its first one's plus those (the accumulator's column offsets stay below 8). A slot is a
+        # pair of values (one 64-bit store): mode 0's first sub-mode.
+        cD = cute.make_identity_tensor((cfg.dq_rows_per_wg, cfg.dq_cols))
+        t0cD = tiled_r2s.get_slice(0).partition_D(cD)
+        assert cute.size(t0cD, mode=[1]) == cute.size(t0cD, mode=[2]) == 1 and cute.size(t0cD.shape[0][0]) == 2
+        slots = cute.size(t0cD) // 2
+        where = {tuple(t0cD[2 * k]): k for k in range(slots)}
+        # the slots' element offsets from the thread's first (the same for every thread)
+        offsets = [cute.crd2idx(((0, k), 0, 0, 0), tdQsdQ.layout) for k in range(slots)]
+        anchor = {}
+        pairing = []
+        for k in range(slots):
+            row, col = t0cD[2 * k]
+            first = anchor.setdefault((offsets[k] * 4) % 1024, k)
+            pairing.append((k, where[(row, col ^ 16)], first, offsets[k] - offsets[first]))
+        odd64 = (r2s_dQ.partition_D(cD)[0][0] % 2) * 64
+        return r2s_dQ, tdQsdQ, (pairing, odd64)
 
     @cute.jit
-    def write_dq_tile(self, r2s_dQ, acc_dQ, tdQsdQ, wg_idx, it):
+    def store_dq(self, r2s_dQ, acc_dQ, tdQsdQ_buf, swap):
+        """The dQ accumulator into one shared-memory tile (`dq_smem_copy`'s partition of it).
+
+        With `dq_swap` a thread of an odd row stores, in each slot's instruction, the values of
+        the slot 16 columns away at that slot's place: the tile's 128-byte swizzle XORs the
+        16-byte chunk index with the row inside its 8-row atom, so that rows 2i and 2i + 1 put a
+        column pair in the same banks and a half-warp's four rows collided two by two (each
+        64-bit store took four wavefronts instead of two); columns c ^ 16 lie in the other half
+        of the banks. The place of column c ^ 16 is that of c XOR 64 bytes after the swizzle
+        (its bit 6 is one of the XOR's targets), computed here from the swizzled address."""
+        src = r2s_dQ.retile(acc_dQ)
+        if cutlass.const_expr(swap is None):
+            cute.copy(r2s_dQ, src, tdQsdQ_buf)
+        else:
+            pairing, odd64 = swap
+            odd = odd64 != 0
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+            pair = cute.make_layout(2)
+            base = {}
+            for k, p, first, delta in pairing:
+                if cutlass.const_expr(first == k):
+                    # the byte address after the tile's 128-byte swizzle (S<3,4,3> on bytes), then
+                    # the other half of the row's banks for odd rows
+                    logical = tdQsdQ_buf[(None, k), 0, 0].iterator.toint()
+                    base[k] = (logical ^ ((logical & 0x380) >> 3)) ^ odd64
+                values = cute.make_rmem_tensor(pair, Float32)
+                for v in cutlass.range_constexpr(2):
+                    values[v] = Float32(cutlass.select_(odd, src[2 * p + v], src[2 * k + v]))
+                ptr = cute.make_ptr(Float32, base[first] + delta * 4, cute.AddressSpace.smem, assumed_align=8)
+                cute.copy(atom, values, cute.make_tensor(ptr, pair))
+
+    @cute.jit
+    def write_dq_tile(self, r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it):
         """`dq_writer`: block `it`'s dQ tile into this warpgroup's shared-memory tile, once the
         writer warp's last reduce-add from it has read it, and (unless `dq_fence_late`) over to
         the writer."""
@@ -1011,7 +1070,7 @@ class FlashBwdSm90(TimelineCounters):
         buf = it % cfg.dq_stages
         if it >= cfg.dq_stages:
             cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf), number_of_threads=128 + 32)
-        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ[None, None, None, buf])
+        self.store_dq(r2s_dQ, acc_dQ, tdQsdQ[None, None, None, buf], dq_swap)
         if cutlass.const_expr(not cfg.dq_fence_late):
             self.hand_over_dq(wg_idx, buf)
 

@@ -229,6 +229,13 @@ class Sm90BwdConfig:
     # There `dq_fence_late` measured level (5.83-5.88 ms against 5.79-5.88, causal 2.78-2.84
     # against 2.81-2.94; `ab_sm90_bwd.py`, 2 x 8192 x 10 heads, 3 rounds): not shipped.
     single_dout: bool = False
+    # The fp32 dQ tile into shared memory (the source of its TMA reduce-add) with the column groups
+    # of odd rows swapped: in the 128-byte-swizzled tile the 64-bit stores of rows 2i and 2i + 1
+    # (one half-warp's phase holds four consecutive rows of the accumulator) hit the same banks,
+    # which made every dQ store take twice its wavefronts. A thread of an odd row stores its
+    # columns c ^ 16 in the slot of c (the values swapped by selects, the addresses by an XOR
+    # of the tile's element offsets), so that the four rows of a phase cover all 32 banks.
+    dq_swap: bool = False
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
     # 0 the SM, 1 the steps (query blocks), 2-7 the low 32 bits of the global nanosecond timer at
@@ -297,6 +304,9 @@ class Sm90BwdConfig:
         if self.timeline and self.dq_rows:
             # its counters spill registers there (11 B) and serialize the WGMMAs: nothing to measure
             raise ValueError("timeline: the 128-row tile (dq_rows) has no registers to spare for the counters")
+        if self.dq_swap and self.dq_cols % 32:
+            raise ValueError(f"dq_swap swaps the 16-column halves of 32-column (128-byte) swizzle atoms; "
+                             f"got {self.dq_cols} columns")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
 
@@ -369,7 +379,7 @@ class Sm90BwdConfig:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "keys_n", "single_dout", "timeline") if getattr(self, f)]
+                             "keys_n", "single_dout", "dq_swap", "timeline") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -412,6 +422,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("keys_n", tile.keys_n and hd == 192 and flags["dq_writer"])
     flags.setdefault("lpt", flags.get("causal", False))
     flags.setdefault("dkv_staged", True)
+    flags.setdefault("dq_swap", True)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if fields["keys_n"] and not keys_n_asked and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # 96 keys need two Q stages: with one (Q, dO) stage the backward measured 1.3x slower
