@@ -235,6 +235,13 @@ class Sm90BwdConfig:
     # which made every dQ store take twice its wavefronts. A thread of an odd row stores its
     # columns c ^ 16 in the slot of c (the values swapped by selects, the addresses by an XOR
     # of the tile's element offsets), so that the four rows of a phase cover all 32 banks.
+    # On the H200 (bf16, 2 x 8192, `benchmarks/ab_sm90_bwd.py --variants "no dq_swap"`, 3 rounds,
+    # ms): head dim 64 5.50-5.57 -> 5.27-5.30, causal 2.90-2.91 -> 2.70-2.77; 128 4.75-4.77 ->
+    # 4.49-4.63, causal 2.54-2.56 -> 2.49-2.52; 256 level (7.02-7.10 / 7.01-7.04, causal
+    # 3.25-3.29 / 3.26-3.32); 192 (the 96-key tile, 5 rounds) causal 2.74-2.80 -> 2.66-2.76 but
+    # without a mask 5.67-5.84 -> 5.79-5.88, where it does not ship. ncu at head dim 128: the
+    # store bank conflicts of the main kernel 68.8 M -> 0.5 M, its shared-store wavefronts
+    # 247 M -> 166 M.
     dq_swap: bool = False
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
@@ -422,7 +429,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("keys_n", tile.keys_n and hd == 192 and flags["dq_writer"])
     flags.setdefault("lpt", flags.get("causal", False))
     flags.setdefault("dkv_staged", True)
-    flags.setdefault("dq_swap", True)
+    # not on the 96-key tile without a mask, where it measured 2% slower (`dq_swap`)
+    flags.setdefault("dq_swap", not flags["keys_n"] or masked)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if fields["keys_n"] and not keys_n_asked and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # 96 keys need two Q stages: with one (Q, dO) stage the backward measured 1.3x slower
