@@ -430,6 +430,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("lpt", flags.get("causal", False))
     flags.setdefault("dkv_staged", True)
     # not on the 96-key tile without a mask, where it measured 2% slower (`dq_swap`)
+    swap_asked = "dq_swap" in flags
     flags.setdefault("dq_swap", not flags["keys_n"] or masked)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if fields["keys_n"] and not keys_n_asked and _unchecked(fields).smem_bytes > SMEM_LIMIT:
@@ -439,6 +440,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
         fields.setdefault("single_dout", True)
         if _unchecked(fields).smem_bytes > SMEM_LIMIT:
             fields["keys_n"] = fields["single_dout"] = False
+            fields["dq_swap"] = fields["dq_swap"] if swap_asked else True
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
