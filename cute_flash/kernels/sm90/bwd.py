@@ -591,13 +591,8 @@ class FlashBwdSm90(TimelineCounters):
     ):
         cfg = self.cfg
         wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
-        thr_mma_SdP = tiled_mma_SdP.get_slice(ctidx)
-        thr_mma_dK = tiled_mma_dK.get_slice(ctidx)
-        thr_mma_dV = tiled_mma_dV.get_slice(ctidx)
-        thr_mma_dQ = tiled_mma_dQ.get_slice(ctidx % 128)
-        # shared-memory operands sliced by the warpgroup's first thread (see `FlashFwdSm90.consume`)
-        wg_mma_SdP, wg_mma_dK, wg_mma_dV, wg_mma_dQ = self.wg_slices(
-            wg_idx, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ)
+        (thr_mma_SdP, wg_mma_SdP), (thr_mma_dK, wg_mma_dK), (thr_mma_dV, wg_mma_dV), (thr_mma_dQ, wg_mma_dQ) = (
+            self.mma_slices(ctidx, wg_idx, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ))
 
         tSrK = tiled_mma_SdP.make_fragment_A(wg_mma_SdP.partition_A(sK))
         tSrQ = tiled_mma_SdP.make_fragment_B(wg_mma_SdP.partition_B(sQ))
@@ -843,14 +838,9 @@ class FlashBwdSm90(TimelineCounters):
         block's dQ GEMM (`barrier_ds_read`)."""
         cfg = self.cfg
         wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
-        thr_mma_SdP = tiled_mma_SdP.get_slice(ctidx)
-        # dK^T and dV^T share one tiled MMA (head dim x keys; `__call__`)
-        thr_mma_dK = tiled_mma_dK.get_slice(ctidx)
-        thr_mma_dV = tiled_mma_dV.get_slice(ctidx)
-        thr_mma_dQ = tiled_mma_dQ.get_slice(ctidx % 128)
-        # shared-memory operands sliced by the warpgroup's first thread (see `FlashFwdSm90.consume`)
-        wg_mma_SdP, wg_mma_dK, wg_mma_dV, wg_mma_dQ = self.wg_slices(
-            wg_idx, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ)
+        # (dK^T and dV^T share one tiled MMA: head dim x keys; `__call__`)
+        (thr_mma_SdP, wg_mma_SdP), (thr_mma_dK, wg_mma_dK), (thr_mma_dV, wg_mma_dV), (thr_mma_dQ, wg_mma_dQ) = (
+            self.mma_slices(ctidx, wg_idx, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ))
 
         tSrQ = tiled_mma_SdP.make_fragment_A(wg_mma_SdP.partition_A(sQ))
         tSrK = tiled_mma_SdP.make_fragment_B(wg_mma_SdP.partition_B(sK))
@@ -984,14 +974,15 @@ class FlashBwdSm90(TimelineCounters):
             self.zero_rows(sV, cfg.head_dim_v, 0, ctidx, wg_idx)
         self.store_dkv(sK, sV, mdK, mdV, seqlen, batch, head_k, n_block, ctidx)
 
-    def wg_slices(self, wg_idx, *tiled_mmas) -> tuple:
-        """Each tiled MMA sliced by warpgroup `wg_idx`'s first thread: the slices for the
-        shared-memory operands (partition_A / partition_B), which are the same for every thread of
-        a warpgroup. Sliced by the thread index instead, the descriptors are not warp-uniform and
-        ptxas rebuilds them before every HGMMA (R2UR and 64-bit adds); the accumulator partitions
-        stay per thread."""
-        first = wg_idx * 128
-        return tuple(t.get_slice(first if t.size > 128 else 0) for t in tiled_mmas)
+    def mma_slices(self, ctidx, wg_idx, *tiled_mmas) -> list:
+        """Each tiled MMA sliced twice: (by this thread, for its accumulator partitions; by its
+        warpgroup's first thread, for the shared-memory operands, partition_A / partition_B, which
+        are the same for every thread of a warpgroup). Sliced by the thread index, the operands'
+        descriptors are not warp-uniform and ptxas rebuilds them before every HGMMA (R2UR and
+        64-bit adds). A tiled MMA of one warpgroup (dQ's) is sliced within it."""
+        one_wg = [t.size <= 128 for t in tiled_mmas]
+        return [(t.get_slice(ctidx % 128 if one else ctidx), t.get_slice(0 if one else wg_idx * 128))
+                for t, one in zip(tiled_mmas, one_wg)]
 
     def dq_smem_copy(self, tiled_mma_dQ: cute.TiledMma, sdQ, wg_idx, ctidx):
         """The copy of this warpgroup's fp32 dQ tile (pairs of floats) from its accumulator to its
