@@ -241,7 +241,10 @@ class Sm90BwdConfig:
     # 3.25-3.29 / 3.26-3.32); 192 (the 96-key tile, 5 rounds) causal 2.74-2.80 -> 2.66-2.76 but
     # without a mask 5.67-5.84 -> 5.79-5.88, where it does not ship. ncu at head dim 128: the
     # store bank conflicts of the main kernel 68.8 M -> 0.5 M, its shared-store wavefronts
-    # 247 M -> 166 M.
+    # 247 M -> 166 M. The other conflict-free layout, the tiles in 32-byte swizzle atoms (8
+    # columns, so TMA boxes 8 columns wide: four times the reduce-adds), measured slower than
+    # either (same A/B, ms: 128 4.97-5.08, causal 2.74-2.83; 192 6.05-6.11, causal 2.99-3.09;
+    # 64 5.61-5.75, causal 2.94-3.07) and was not kept.
     dq_swap: bool = False
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
