@@ -81,7 +81,7 @@ dK/dV rows past seqlen_k are not written. Key blocks no query block sees write d
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -98,6 +98,7 @@ from ..common.smem_layouts import (
     wgmma_smem_layout_atom,
     wgmma_smem_layout_tile,
 )
+from ..common.tiles import COPY_BITS
 from ..common.timeline import TimelineCounters
 from ..common.utils import acc_mn_view, exp2f, make_s2g_copy, store_staged_rows, tanhf
 from .bwd_config import (
@@ -109,6 +110,16 @@ from .bwd_config import (
 )
 from .fwd import FlashFwdSm90, tile_coords, tma_view
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
+
+
+class DqSwap(NamedTuple):
+    """`dq_swap`'s trace-time plan of one thread's dQ stores (`FlashBwdSm90.dq_smem_copy`)."""
+
+    pairing: list  # per copy slot k: (k, the slot 16 columns away, k's anchor slot, k's offset past it)
+    odd_flip: object  # bytes XORed into an odd row's store addresses (64), else 0 (a runtime value)
+    mask: int  # the tiles' byte swizzle: the address bits XORed, ...
+    shift: int  # ... shifted down by this, into the 16-byte chunk index
+    pair_copy: object  # the 64-bit copy atom
 
 # Named barrier (0 is __syncthreads) of one consumer warpgroup, + its index: its own dS^T rows
 # (and K/V tail rows) are written before its WGMMAs read them.
@@ -987,16 +998,15 @@ class FlashBwdSm90(TimelineCounters):
     def dq_smem_copy(self, tiled_mma_dQ: cute.TiledMma, sdQ, wg_idx, ctidx):
         """The copy of this warpgroup's fp32 dQ tile (pairs of floats) from its accumulator to its
         shared-memory tiles (`dq_stages` of them), the sources of its TMA reduce-adds: (copy, the
-        thread's partition of the tiles, `dq_swap`'s pairing or None).
+        thread's partition of the tiles, `dq_swap`'s plan or None).
 
-        The pairing (`dq_swap`): for each copy slot k (two floats of a row) of the thread, the
-        slot p with the same rows 16 columns away, and the slot whose address k's is a multiple
-        of 1024 bytes from (the swizzle repeats every 1024 bytes, so k's address is that slot's
-        plus an immediate); and 64 if this thread's rows are odd, else 0."""
+        The plan (`DqSwap`): for each copy slot k (two floats of a row) of the thread, the slot p
+        with the same rows 16 columns away, and the slot whose address k's is a multiple of the
+        swizzle's period (8 rows of 128 bytes) from, so that k's address is that slot's plus an
+        immediate; 64 if this thread's rows are odd, else 0; the swizzle's mask and shift."""
         cfg = self.cfg
-        tiled_r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ
-        )
+        pair_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        tiled_r2s = cute.make_tiled_copy_C(pair_copy, tiled_mma_dQ)
         r2s_dQ = tiled_r2s.get_slice(ctidx % 128)
         tdQsdQ = r2s_dQ.partition_D(sdQ[None, None, wg_idx, None])
         if cutlass.const_expr(not cfg.dq_swap):
@@ -1011,14 +1021,21 @@ class FlashBwdSm90(TimelineCounters):
         where = {tuple(t0cD[2 * k]): k for k in range(slots)}
         # the slots' element offsets from the thread's first (the same for every thread)
         offsets = [cute.crd2idx(((0, k), 0, 0, 0), tdQsdQ.layout) for k in range(slots)]
+        # the tiles' byte swizzle (`swizzle_params`, on byte addresses for TMA): the 16-byte chunk
+        # index XORed with the row inside an atom of 8 rows of 128 bytes (32 columns), which
+        # repeats every 8 rows; columns c ^ 16 are 64 bytes away, inside the chunk bits
+        p = swizzle_params(Float32.width, cfg.dq_cols)
+        row_bytes, chunk_bits = p.atom_cols * Float32.width // 8, (COPY_BITS // 8).bit_length() - 1
+        assert row_bytes == 128 and 16 * Float32.width // 8 == row_bytes // 2
+        mask = ((1 << p.bits) - 1) << (chunk_bits + p.shift)
         anchor = {}
         pairing = []
         for k in range(slots):
             row, col = t0cD[2 * k]
-            first = anchor.setdefault((offsets[k] * 4) % 1024, k)
+            first = anchor.setdefault((offsets[k] * 4) % (p.atom_rows * row_bytes), k)
             pairing.append((k, where[(row, col ^ 16)], first, offsets[k] - offsets[first]))
-        odd64 = (r2s_dQ.partition_D(cD)[0][0] % 2) * 64
-        return r2s_dQ, tdQsdQ, (pairing, odd64)
+        odd_flip = (r2s_dQ.partition_D(cD)[0][0] % 2) * (row_bytes // 2)
+        return r2s_dQ, tdQsdQ, DqSwap(pairing, odd_flip, mask, p.shift, pair_copy)
 
     @cute.jit
     def store_dq(self, r2s_dQ, acc_dQ, tdQsdQ_buf, swap):
@@ -1035,22 +1052,20 @@ class FlashBwdSm90(TimelineCounters):
         if cutlass.const_expr(swap is None):
             cute.copy(r2s_dQ, src, tdQsdQ_buf)
         else:
-            pairing, odd64 = swap
-            odd = odd64 != 0
-            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+            odd = swap.odd_flip != 0
             pair = cute.make_layout(2)
             base = {}
-            for k, p, first, delta in pairing:
+            for k, p, first, delta in swap.pairing:
                 if cutlass.const_expr(first == k):
-                    # the byte address after the tile's 128-byte swizzle (S<3,4,3> on bytes), then
-                    # the other half of the row's banks for odd rows
+                    # the byte address after the tile's swizzle, then for odd rows the other half
+                    # of the row's banks
                     logical = tdQsdQ_buf[(None, k), 0, 0].iterator.toint()
-                    base[k] = (logical ^ ((logical & 0x380) >> 3)) ^ odd64
+                    base[k] = (logical ^ ((logical & swap.mask) >> swap.shift)) ^ swap.odd_flip
                 values = cute.make_rmem_tensor(pair, Float32)
                 for v in cutlass.range_constexpr(2):
                     values[v] = Float32(cutlass.select_(odd, src[2 * p + v], src[2 * k + v]))
                 ptr = cute.make_ptr(Float32, base[first] + delta * 4, cute.AddressSpace.smem, assumed_align=8)
-                cute.copy(atom, values, cute.make_tensor(ptr, pair))
+                cute.copy(swap.pair_copy, values, cute.make_tensor(ptr, pair))
 
     @cute.jit
     def write_dq_tile(self, r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it):
