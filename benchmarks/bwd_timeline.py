@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timeline_lib import (  # noqa: E402
-    apply_overrides, mean_us, parse_timeline_args, phase_means, sm_time, timeline_parser, unwrap_rows,
+    apply_overrides, mean_us, parse_timeline_args, phase_means, sm_time, summary_text, timeline_parser,
+    unwrap_rows,
 )
 
 PHASES = ("Q/dO wait", "S issue + wait", "P + dP wait", "dS + barrier", "dQ GEMM", "dQ hand-over", "dK wait + release")
@@ -89,16 +90,8 @@ def clock_rate(records) -> float:
 
 
 def format_summary(s: Summary) -> str:
-    lines = [
-        f"  {s.ctas} CTAs on {s.sms} SMs over {s.span_us:.0f} us, SM clock {s.clock_ghz:.2f} GHz",
-        f"  per CTA (us): to the first step {s.prologue_us:.2f}, first two steps {s.first_two_us:.2f}, "
-        f"a later step {s.step_us:.3f} ({s.step_us * s.clock_ghz * 1000:.0f} cycles), epilogue {s.epilogue_us:.2f}",
-        f"  SM time: in CTAs {s.busy:.3f}, between CTAs {s.between:.4f}, idle at the end {s.idle_end:.4f}",
-    ]
-    for wg, ph in enumerate(s.phases):
-        lines.append(f"  warpgroup {wg} cycles per step: " + ", ".join(f"{n} {c:.0f}" for n, c in zip(PHASES, ph))
-                     + f" | sum {sum(ph):.0f}, outside the phases {s.outside[wg]:.0f}")
-    return "\n".join(lines)
+    return summary_text(s, s.ctas, "CTA", [("to the first step", s.prologue_us), ("first two steps", s.first_two_us)],
+                        "step", s.step_us, PHASES, s.outside)
 
 
 def on_gpu(opts) -> None:
@@ -127,7 +120,8 @@ def on_gpu(opts) -> None:
             rows = grads[1].view(torch.int32)[:, ::profiled.tile_n, :, :RECORD_INTS]
             records = (rows.reshape(-1, RECORD_INTS).to(torch.int64) % (1 << 32)).tolist()
             if opts.save:
-                torch.save({"config": profiled.name, "records": records}, f"{opts.save}-hd{d}-{'causal' if causal else 'full'}.pt")
+                mask = "causal" if causal else "full"
+                torch.save({"config": profiled.name, "records": records}, f"{opts.save}-hd{d}-{mask}.pt")
             summary = summarize(records, clock_rate(records))
             label = f"hd{d} {'causal' if causal else 'full'} {b}x{s}x{h}"
             print(f"{label} ({profiled.name}): ms " + ", ".join(

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timeline_lib import (  # noqa: E402
-    apply_overrides, mean_us, parse_timeline_args, phase_means, sm_time, timeline_parser, unwrap_rows,
+    apply_overrides, mean_us, parse_timeline_args, phase_means, sm_time, summary_text, timeline_parser,
+    unwrap_rows,
 )
 
 PHASES = ("K wait", "turn wait", "S + P·V issue", "S wait", "softmax", "P·V wait", "rescale + P")
@@ -73,16 +74,8 @@ def summarize(records, warpgroups: int, clock_ghz: float) -> Summary:
 
 
 def format_summary(s: Summary) -> str:
-    lines = [
-        f"  {s.tiles} tiles on {s.sms} SMs over {s.span_us:.0f} us, SM clock {s.clock_ghz:.2f} GHz",
-        f"  per tile (us): to Q in {s.prologue_us:.2f}, first key block {s.first_block_us:.2f}, "
-        f"a later block {s.block_us:.3f} ({s.block_us * s.clock_ghz * 1000:.0f} cycles), epilogue {s.epilogue_us:.2f}",
-        f"  SM time: in tiles {s.busy:.3f}, between tiles {s.between:.4f}, idle at the end {s.idle_end:.4f}",
-    ]
-    for wg, ph in enumerate(s.phases):
-        lines.append(f"  warpgroup {wg} cycles per block: " + ", ".join(f"{n} {c:.0f}" for n, c in zip(PHASES, ph))
-                     + f" | sum {sum(ph):.0f}")
-    return "\n".join(lines)
+    return summary_text(s, s.tiles, "tile", [("to Q in", s.prologue_us), ("first key block", s.first_block_us)],
+                        "block", s.block_us, PHASES)
 
 
 def tile_records(lse, tile_m: int):

@@ -57,6 +57,26 @@ def phase_means(rows, warpgroups: int, phases: int) -> list:
     return out
 
 
+def summary_text(s, count: int, unit: str, timings, step: str, step_us: float, phase_names,
+                 outside=None) -> str:
+    """The profiling tools' printout of a summary `s` (its sms, span_us, clock_ghz, epilogue_us,
+    busy, between, idle_end and phases): `count` records, each a `unit` (CTA, tile); `timings`
+    the (label, microseconds) of a record's time before its later steps; `step` what a step is
+    called (step, key block) and `step_us` a later one's time; `outside` per warpgroup the
+    cycles per step that no phase counted, where the tool has them."""
+    lines = [
+        f"  {count} {unit}s on {s.sms} SMs over {s.span_us:.0f} us, SM clock {s.clock_ghz:.2f} GHz",
+        f"  per {unit} (us): " + ", ".join(f"{label} {us:.2f}" for label, us in timings)
+        + f", a later {step} {step_us:.3f} ({step_us * s.clock_ghz * 1000:.0f} cycles), epilogue {s.epilogue_us:.2f}",
+        f"  SM time: in {unit}s {s.busy:.3f}, between {unit}s {s.between:.4f}, idle at the end {s.idle_end:.4f}",
+    ]
+    for wg, ph in enumerate(s.phases):
+        tail = f" | sum {sum(ph):.0f}" + (f", outside the phases {outside[wg]:.0f}" if outside is not None else "")
+        lines.append(f"  warpgroup {wg} cycles per {step}: "
+                     + ", ".join(f"{n} {c:.0f}" for n, c in zip(phase_names, ph)) + tail)
+    return "\n".join(lines)
+
+
 def mean_us(values) -> float:
     """The mean of nanosecond values, in microseconds (nan for none)."""
     values = list(values)
