@@ -123,8 +123,10 @@ COMPILED = [
     ("sm_80", fc.make_config("bfloat16", 40, 40, local=True, softcap=True)),
     ("sm_80", fc.make_config("float16", 256, 256, causal=True)),
     ("sm_90a", fc.make_config("bfloat16", 128, 128, causal=True)),
-    # the lazy rescale (A/B only, not shipped)
+    # the lazy rescale with a mask (shipped without one)
     ("sm_80", fc.make_config("bfloat16", 64, 64, causal=True, lazy_rescale=True)),
+    # hd128's unmasked tile, lazy, for the arch it runs on in an H200
+    ("sm_90a", fc.make_config("bfloat16", 128, 128)),
 ]
 
 
@@ -181,20 +183,42 @@ def test_every_shipped_config_compiles_for_sm80_without_spills_with_hmma_ldsm_ld
 
 
 def test_calls_with_at_most_64_query_rows_take_the_short_query_tile():
-    """Decode-shaped calls (after GQA packing too) get SHORT_QUERY_TILES, the others TILES."""
+    """Decode-shaped calls (after GQA packing too) get SHORT_QUERY_TILES, the others (here
+    unmasked) UNMASKED_TILES."""
     from cute_flash.backends.base import AttnArgs
     from cute_flash.backends.cute import CuteSm80Backend
     from cute_flash.kernels.sm80 import fwd_config
 
     backend = CuteSm80Backend()
     k = torch.empty(2, 300, 2, 128, dtype=torch.bfloat16)
-    for seqlen_q, tiles in ((1, fwd_config.SHORT_QUERY_TILES), (64, fwd_config.SHORT_QUERY_TILES), (65, fwd_config.TILES)):
+    for seqlen_q, tiles in ((1, fwd_config.SHORT_QUERY_TILES), (64, fwd_config.SHORT_QUERY_TILES),
+                             (65, fwd_config.UNMASKED_TILES)):
         q = torch.empty(2, seqlen_q, 8, 128, dtype=torch.bfloat16)
         config = backend.config(q, k, k, None, AttnArgs(0.1))
         assert (config.tile_m, config.tile_n, config.num_warps, config.num_stages) == tiles[128][:4]
-    assert fwd_config.SHORT_QUERY_TILES[128] != fwd_config.TILES[128]
+    assert fwd_config.SHORT_QUERY_TILES[128] != fwd_config.UNMASKED_TILES[128]
     # varlen: the longest query sequence decides
     q = torch.empty(70, 8, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 35, 70], dtype=torch.int32)
     args = AttnArgs(0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=35, max_seqlen_k=35)
     assert backend.config(q, q, q, None, args).tile_m == fwd_config.SHORT_QUERY_TILES[128].tile_m
+
+
+@pytest.mark.parametrize("d", fc.TILE_HEADDIMS)
+def test_unmasked_prefill_takes_its_tile_and_the_lazy_rescale(d):
+    """Without a mask (softcap and varlen included) long-query calls take UNMASKED_TILES and, at
+    UNMASKED_LAZY_HEADDIMS, the lazy rescale; causal and windowed calls take TILES, eager; decode
+    tiles stay eager."""
+    lazy = d in fc.UNMASKED_LAZY_HEADDIMS
+    for flags in ({}, {"softcap": True}, {"varlen_q": True, "varlen_k": True}):
+        config = fc.make_config("bfloat16", d, d, **flags)
+        assert (config.tile_m, config.tile_n, config.num_warps, config.num_stages) == fc.UNMASKED_TILES[d][:4]
+        assert config.lazy_rescale == lazy, flags
+    for mask in ({"causal": True}, {"local": True}):
+        config = fc.make_config("bfloat16", d, d, **mask)
+        assert (config.tile_m, config.tile_n, config.num_warps, config.num_stages) == fc.TILES[d][:4]
+        assert not config.lazy_rescale
+    assert not fc.make_config("bfloat16", d, d, short_queries=True).lazy_rescale
+    # asked for explicitly, either way wins
+    assert fc.make_config("bfloat16", d, d, lazy_rescale=not lazy).lazy_rescale == (not lazy)
+    assert fc.UNMASKED_TILES[128] != fc.TILES[128]

@@ -137,6 +137,35 @@ def test_fwd_headdim_v_differs(d, dv, causal):
     _check(q, k, v, _args(d, causal=causal, window_right=0 if causal else -1))
 
 
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("growing_max", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024), (1001, 333), (4224, 4224)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_q, seqlen_k, growing_max, lazy):
+    """Lazy (the row max kept while it grows by <= 8, log2; shipped without a mask) or eager
+    (every block moves it) on every tile the backend picks: out and LSE are the softmax's either
+    way. `growing_max` adds a ramp that raises every row's max by ~5 (log2 units) per 128 keys in
+    the order the kernel visits them (last key block first), so some blocks keep the reference
+    and others move it; causal 1001 x 333 has rows that see no key (out 0, LSE -inf)."""
+    from dataclasses import replace
+
+    backend = _backend()
+    plain = backend.config
+    monkeypatch.setattr(backend, "config", lambda *a, **kw: replace(plain(*a, **kw), lazy_rescale=lazy))
+    torch.manual_seed(d + seqlen_k + growing_max)
+    q = torch.randn(2, seqlen_q, 2, d, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(2, seqlen_k, 2, d, d, torch.bfloat16)
+    args = _args(d, causal=causal, window_right=0 if causal else -1)
+    if growing_max:
+        q[..., 0] = 8.0
+        per_key = 5.0 / 128 / (8 * args.softmax_scale * math.log2(math.e))
+        k[..., 0] = (per_key * torch.arange(seqlen_k - 1, -1, -1, device="cuda")).to(k.dtype)[None, :, None]
+    out, lse = run_forward(backend, q, k, v, args)
+    assert backend.config(q, k, v, lse, args).lazy_rescale == lazy
+    check_forward(out, lse, q, k, v, args)
+
+
 def test_fwd_non_contiguous_inputs():
     """q sliced out of a packed qkv tensor; k and v from separate buffers with other row strides."""
     q, k, v = strided_qkv()

@@ -17,6 +17,8 @@ P V). hd128 takes 128x128 with 8 warps and one stage, with ptxas told one CTA pe
 (without that hint it spills in fp16 with a causal mask): on an H200 (bf16, 2 x 8192 x 16 heads,
 `benchmarks/tune_tiles.py --arch sm_80 --head-dim 128`) 349.2 TFLOP/s against 325.1 for 64x64
 with 4 warps and two stages, 323.9 for 128x64 with 8 warps and 300.0 for 64x128 with 4 warps.
+Without a mask hd128 takes 32 rows per warp after all, with 32 keys per block and the lazy
+rescale (UNMASKED_TILES).
 """
 
 from __future__ import annotations
@@ -52,6 +54,19 @@ TILES = {
     192: Tile(128, 64, 8, 1),
     256: Tile(64, 64, 4, 1),
 }
+# Calls without a causal mask or window (long queries): hd128 takes 32 rows per warp with 32 keys
+# per block, which fits the registers without spills (64 keys spill: 68/52 B for sm_80 and
+# 112/96 for sm_90a) and, with the lazy rescale (`UNMASKED_LAZY_HEADDIMS`), skips most of the
+# rescales of its 128 output accumulators per thread that a 32-key block would otherwise pay. On an
+# H200 (bf16, `benchmarks/tune_tiles.py --arch sm_80`, 2 x 8192 x 16 heads) 366.9 and 362.5 TFLOP/s
+# in two runs against 352.9 and 350.4 for 128x128 with 8 warps (349.1 for 128x32 without the lazy
+# rescale; 8 x 2048: 352.4 against 331.3). With a causal mask it measured slower (321.4 against
+# 334.2), so masked calls keep TILES.
+UNMASKED_TILES = {**TILES, 128: Tile(128, 32, 4, 2, min_ctas_per_sm=1)}
+# Head dims whose unmasked calls take the lazy rescale (`Sm80FwdConfig.lazy_rescale`): on an H200
+# (as above) hd64 354.1 against 335.1 TFLOP/s, hd256 330.0 against 323.3; with a causal mask it
+# gained nothing (hd64 299.0 against 298.3; hd128 on 128x32 above), so masked calls stay eager.
+UNMASKED_LAZY_HEADDIMS = (64, 128, 256)
 # Calls whose queries per (sequence, head) fit in 64 rows (decode, packed GQA decode): most rows
 # of a 128-row tile would be empty, and the kernel streams keys; hd128 keeps the smaller tile
 # with two K/V stages there (measured on an H200 as packed-GQA decode at 3.85-4.40 TB/s with
@@ -89,10 +104,9 @@ class Sm80FwdConfig:
     has_lse: bool = True
     min_ctas_per_sm: int = 0
     # Keep a row's max as the exp reference unless it grows by > LAZY_RESCALE_LOG2, and skip a
-    # warp's O rescale when none of its rows changed reference (as the sm_90 kernel does). Off in
-    # every shipped configuration, for A/B (`tune_tiles.py -lazy`): on an H200 (bf16, one run
-    # each) hd64 2 x 8192 went 333.8 -> 355.1 TFLOP/s, hd128 level (350.8 -> 349.8; 8 x 2048 331.4
-    # -> 335.0) but causal 333.9 -> 320.3, hd256 level; the GPU tests pass with it on.
+    # warp's O rescale when none of its rows changed reference (as the sm_90 kernel does). On in
+    # the unmasked prefill calls of UNMASKED_LAZY_HEADDIMS (`make_config`); `tune_tiles.py
+    # -lazy` / `-eager` for A/B.
     lazy_rescale: bool = False
 
     def __post_init__(self):
@@ -145,8 +159,10 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
     if flags.get("split_kv"):
         flags["has_lse"] = False
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
-    tile = (SHORT_QUERY_TILES if short_queries else TILES)[max(hd, hdv)]
     key = max(hd, hdv)
+    unmasked_prefill = not short_queries and not _masked(flags)
+    tile = (SHORT_QUERY_TILES if short_queries else UNMASKED_TILES if unmasked_prefill else TILES)[key]
+    flags.setdefault("lazy_rescale", unmasked_prefill and key in UNMASKED_LAZY_HEADDIMS)
     if key in NARROW_TILES and _takes_narrow_tile(flags, page_size):
         tile = NARROW_TILES[key]
     if page_size is not None:
