@@ -580,3 +580,11 @@ def test_fwd_timeline_summary_and_records_from_the_lse():
     rows = ft.tile_records(lse, 128)
     assert len(rows) == 6 and sorted({r[0] for r in rows}) == [7, 8, 9]
     assert ft.tile_records(torch.zeros(1, 1, 140), 128) == [[0] * ft.RECORD_INTS]  # the 12-row tile has none
+
+
+def test_mma_sync_peak_compiles_for_sm90a(capsys):
+    """The mma.sync ceiling's kernel builds on the CPU (it times on a GPU only)."""
+    import mma_sync_peak
+
+    assert mma_sync_peak.main(["--compile-only", "--warps", "4", "--iters", "8"]) == 0
+    assert "4 warps per CTA: compiled" in capsys.readouterr().out

@@ -45,13 +45,13 @@ def test_page_size_selects_shift_and_mask_and_one_lookup_per_tile(page_size, pow
 
 
 @pytest.mark.parametrize("head_dim,causal,short,per_row", [
-    (64, True, False, True), (64, True, True, True), (64, False, False, False), (128, False, False, True),
-    (128, True, True, False), (96, True, False, True), (256, True, False, True), (256, False, False, False),
+    (64, True, False, True), (64, True, True, True), (64, False, False, False), (128, True, False, True),
+    (128, False, False, False), (128, True, True, False), (96, True, False, True), (256, True, False, True), (256, False, False, False),
     (192, False, False, False),
 ])
 def test_tiles_that_spill_with_one_page_lookup_per_tile_look_up_per_row(head_dim, causal, short, per_row):
-    """One lookup per tile spilled on the 128x128 tiles (hd96, hd128), on hd64's causal tile and
-    (fp16) on hd256's masked one."""
+    """One lookup per tile spilled on the 128x128 tiles (hd96, hd128 with a mask), on hd64's causal
+    tile and (fp16) on hd256's masked one; hd128's unmasked 128x32 tile takes it."""
     config = fc.make_config("bfloat16", head_dim, head_dim, short_queries=short, page_size=256, causal=causal)
     assert config.paged_kv and config.page_size_pow2 and config.pages_hold_tiles == (not per_row)
 
@@ -71,7 +71,8 @@ def test_fp16_tiles_that_spilled_with_one_lookup_per_tile_look_up_per_row(head_d
     ({"local": True, "split_kv": True}, True), ({"causal": True, "split_kv": True, "page_size": 256}, True),
     ({"softcap": True, "page_size": 16}, True), ({"split_kv": True}, False), ({"softcap": True}, False),
     ({"softcap": True, "local": True}, True), ({"softcap": True, "causal": True}, False),
-    ({"local": True, "page_size": 64}, False),
+    ({"local": True, "page_size": 64}, False), ({"softcap": True, "split_kv": True}, True),
+    ({"softcap": True, "split_kv": True, "varlen_q": True, "seqused_k": True}, True),
 ])
 def test_head_dim_256_takes_the_narrow_tile_where_the_wide_one_spilled(flags, narrow):
     config = fc.make_config("bfloat16", 256, 256, short_queries=True, **flags)

@@ -64,17 +64,20 @@ TILES = {
 # 334.2), so masked calls keep TILES.
 UNMASKED_TILES = {**TILES, 128: Tile(128, 32, 4, 2, min_ctas_per_sm=1)}
 # Head dims whose unmasked calls take the lazy rescale (`Sm80FwdConfig.lazy_rescale`): on an H200
-# (as above) hd64 354.1 against 335.1 TFLOP/s, hd256 330.0 against 323.3; with a causal mask it
-# gained nothing (hd64 299.0 against 298.3; hd128 on 128x32 above), so masked calls stay eager.
-UNMASKED_LAZY_HEADDIMS = (64, 128, 256)
+# (as above) hd64 354.1 against 335.1 TFLOP/s; with a causal mask it gained nothing (hd64 299.0
+# against 298.3; hd128 on 128x32 above), so masked calls stay eager. hd256 measured 330.0 against
+# 323.3 with it (one run each), and its varlen split-KV variants spill with it (12/8 B, bf16,
+# sm_90a): not taken.
+UNMASKED_LAZY_HEADDIMS = (64, 128)
 # Calls whose queries per (sequence, head) fit in 64 rows (decode, packed GQA decode): most rows
 # of a 128-row tile would be empty, and the kernel streams keys; hd128 keeps the smaller tile
 # with two K/V stages there (measured on an H200 as packed-GQA decode at 3.85-4.40 TB/s with
 # batch 16-128; the other head dims use one tile for every call).
 SHORT_QUERY_TILES = {**TILES, 128: Tile(64, 64, 4, 2, min_ctas_per_sm=1)}
 SHORT_QUERY_ROWS = 64
-# hd256 with a mask and split-KV, softcap over a paged cache, or (fp16) softcap with a window
-# spilled on the 64x64 tile (up to 40/32 B for sm_80, 32/24 for sm_90a; the last 12/12 for
+# hd256 with a mask and split-KV, softcap over a paged cache, (fp16) softcap with a window, or
+# softcap with split-KV (bf16, 8/8 B for sm_80 and, with varlen queries, 12/8 for both archs)
+# spilled on the 64x64 tile (up to 40/32 B for sm_80, 32/24 for sm_90a; the window's 12/12 for
 # sm_90a: `python -m cute_flash.audit --sweep`); 32 keys per block (two stages, 96 KB) compile
 # without spills there
 NARROW_TILES = {256: Tile(64, 32, 4, 2)}
@@ -192,10 +195,10 @@ def _masked(flags: dict) -> bool:
 
 def _takes_narrow_tile(flags: dict, page_size: Optional[int]) -> bool:
     """hd256 calls whose 64x64 tile spilled (`NARROW_TILES`): a mask with split-KV, softcap over a
-    paged cache, softcap with a window."""
-    softcap = flags.get("softcap", False)
-    return ((_masked(flags) and flags.get("split_kv", False)) or (softcap and page_size is not None)
-            or (softcap and flags.get("local", False)))
+    paged cache, with a window or with split-KV."""
+    softcap, split_kv = flags.get("softcap", False), flags.get("split_kv", False)
+    return ((_masked(flags) and split_kv)
+            or (softcap and (page_size is not None or flags.get("local", False) or split_kv)))
 
 
 def _looks_up_pages_per_row(tile: Tile, key: int, flags: dict) -> bool:
@@ -248,6 +251,7 @@ def shipped_configs() -> list:
         make_config("bfloat16", 128, 128, page_size=256, causal=True),
         make_config("bfloat16", 256, 256, short_queries=True, page_size=256, seqused_k=True, split_kv=True,
                     local=True),  # NARROW_TILES
+        make_config("bfloat16", 256, 256, softcap=True, varlen_q=True, seqused_k=True, split_kv=True),  # NARROW_TILES
         make_config("bfloat16", 128, 128, split_kv=True, causal=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("float16", 40, 40, page_size=24, varlen_q=True, split_kv=True, local=True),
     ]
