@@ -12,6 +12,9 @@ Every check first rejects NaN, so an output that was poisoned and never written 
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import torch
 
 from cute_flash.backends.base import AttnArgs
@@ -111,6 +114,23 @@ def run_forward(backend, q, k, v, args: AttnArgs):
     backend.fwd(q, k, v, out, lse, args)
     torch.cuda.synchronize()
     return out, lse
+
+
+def check_rescale_schedule(monkeypatch, backend, q, k, v, args: AttnArgs, growing_max: bool, lazy: bool) -> None:
+    """The forward with `lazy_rescale` set to `lazy` on every configuration `backend` picks, against
+    the oracle. `growing_max` adds a ramp that raises every row's max by ~5 (log2 units) per 128
+    keys in the order the kernels visit them (last key block first), so that some blocks keep the
+    reference and others move it."""
+    plain = backend.config
+    monkeypatch.setattr(backend, "config", lambda *a, **kw: replace(plain(*a, **kw), lazy_rescale=lazy))
+    if growing_max:
+        q[..., 0] = 8.0
+        per_key = 5.0 / 128 / (8 * args.softmax_scale * math.log2(math.e))
+        ramp = per_key * torch.arange(k.shape[1] - 1, -1, -1, device=k.device)
+        k[..., 0] = ramp.to(k.dtype)[None, :, None]
+    out, lse = run_forward(backend, q, k, v, args)
+    assert backend.config(q, k, v, lse, args).lazy_rescale == lazy
+    check_forward(out, lse, q, k, v, args)
 
 
 def assert_within_rule(name: str, x: torch.Tensor, ref: torch.Tensor, ref_torch: torch.Tensor) -> None:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from attention_oracle import (
-    SEQLEN_PAIRS, backend_or_skip, check_forward, check_offsets_beyond_4gib, nan_framed_kv, randn_in_nan,
-    run_forward, strided_qkv,
+    SEQLEN_PAIRS, backend_or_skip, check_forward, check_offsets_beyond_4gib, check_rescale_schedule, nan_framed_kv,
+    randn_in_nan, run_forward, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
 
@@ -148,22 +148,11 @@ def test_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_q, se
     way. `growing_max` adds a ramp that raises every row's max by ~5 (log2 units) per 128 keys in
     the order the kernel visits them (last key block first), so some blocks keep the reference
     and others move it; causal 1001 x 333 has rows that see no key (out 0, LSE -inf)."""
-    from dataclasses import replace
-
-    backend = _backend()
-    plain = backend.config
-    monkeypatch.setattr(backend, "config", lambda *a, **kw: replace(plain(*a, **kw), lazy_rescale=lazy))
     torch.manual_seed(d + seqlen_k + growing_max)
     q = torch.randn(2, seqlen_q, 2, d, dtype=torch.bfloat16, device="cuda")
     k, v = nan_framed_kv(2, seqlen_k, 2, d, d, torch.bfloat16)
     args = _args(d, causal=causal, window_right=0 if causal else -1)
-    if growing_max:
-        q[..., 0] = 8.0
-        per_key = 5.0 / 128 / (8 * args.softmax_scale * math.log2(math.e))
-        k[..., 0] = (per_key * torch.arange(seqlen_k - 1, -1, -1, device="cuda")).to(k.dtype)[None, :, None]
-    out, lse = run_forward(backend, q, k, v, args)
-    assert backend.config(q, k, v, lse, args).lazy_rescale == lazy
-    check_forward(out, lse, q, k, v, args)
+    check_rescale_schedule(monkeypatch, _backend(), q, k, v, args, growing_max, lazy)
 
 
 def test_fwd_non_contiguous_inputs():

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from attention_oracle import (
-    SEQLEN_PAIRS, backend_or_skip, check_forward, check_offsets_beyond_4gib, randn_in_nan, run_forward, strided_qkv,
+    SEQLEN_PAIRS, backend_or_skip, check_forward, check_offsets_beyond_4gib, check_rescale_schedule, randn_in_nan,
+    run_forward, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
 
@@ -230,14 +231,6 @@ def test_sm90_fwd_schedule_variants_agree(overlap, pingpong):
     check_forward(out, lse, q, k, v, args)
 
 
-def _rescale_backend(monkeypatch, lazy: bool):
-    """The sm_90 backend with `lazy_rescale` set to `lazy` on every configuration it picks."""
-    backend = _backend()
-    plain = backend.config
-    monkeypatch.setattr(backend, "config", lambda *a, **kw: replace(plain(*a, **kw), lazy_rescale=lazy))
-    return backend
-
-
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("growing_max", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024), (1001, 333), (4224, 4224)])
@@ -251,17 +244,9 @@ def test_sm90_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_
     order the kernel visits them (last key block first), so some blocks keep the reference and
     others move it; causal 1001 x 333 has rows that see no key (out 0, LSE -inf).
     """
-    backend = _rescale_backend(monkeypatch, lazy)
     torch.manual_seed(d + seqlen_k + growing_max)
     q, k, v = _qkv(2, seqlen_q, seqlen_k, 2, 2, d, d, torch.bfloat16)
-    args = _args(d, causal)
-    if growing_max:
-        q[..., 0] = 8.0
-        per_key = 5.0 / 128 / (8 * args.softmax_scale * math.log2(math.e))
-        k[..., 0] = (per_key * torch.arange(seqlen_k - 1, -1, -1, device="cuda")).to(k.dtype)[None, :, None]
-    out, lse = run_forward(backend, q, k, v, args)
-    assert backend.config(q, k, v, lse, args).lazy_rescale == lazy
-    check_forward(out, lse, q, k, v, args)
+    check_rescale_schedule(monkeypatch, _backend(), q, k, v, _args(d, causal), growing_max, lazy)
 
 
 @pytest.mark.parametrize("schedule", ["counter", "stride", "grid"])
