@@ -58,10 +58,10 @@ TILES = {
 # per block, which fits the registers without spills (64 keys spill: 68/52 B for sm_80 and
 # 112/96 for sm_90a) and, with the lazy rescale (`UNMASKED_LAZY_HEADDIMS`), skips most of the
 # rescales of its 128 output accumulators per thread that a 32-key block would otherwise pay. On an
-# H200 (bf16, `benchmarks/tune_tiles.py --arch sm_80`, 2 x 8192 x 16 heads) 366.9 and 362.5 TFLOP/s
-# in two runs against 352.9 and 350.4 for 128x128 with 8 warps (349.1 for 128x32 without the lazy
-# rescale; 8 x 2048: 352.4 against 331.3). With a causal mask it measured slower (321.4 against
-# 334.2), so masked calls keep TILES.
+# H200 (bf16, `benchmarks/tune_tiles.py --arch sm_80`, 2 x 8192 x 16 heads) 366.9-376.2 TFLOP/s
+# over four runs against 352.9 for 128x128 with 8 warps in the first (349.1 there for 128x32
+# without the lazy rescale; 8 x 2048: 352.4 against 331.3). With a causal mask it measured slower
+# (321.4 against 334.2), so masked calls keep TILES.
 UNMASKED_TILES = {**TILES, 128: Tile(128, 32, 4, 2, min_ctas_per_sm=1)}
 # Head dims whose unmasked calls take the lazy rescale (`Sm80FwdConfig.lazy_rescale`): on an H200
 # (as above) hd64 354.1 against 335.1 TFLOP/s; with a causal mask it gained nothing (hd64 299.0
@@ -291,7 +291,8 @@ def compile_fwd(config: Sm80FwdConfig, options: str = "--gpu-arch sm_80"):
 def sweep_configs() -> list:
     """The configurations `make_config` gives over a grid of calls (bf16 and fp16): every head dim,
     long and short queries, contiguous keys or pages of 16 / 256 tokens, no mask / causal /
-    window, and plain, softcap or seqused_k with split-KV. `python -m cute_flash.audit --sweep`
+    window, and plain, softcap, seqused_k with split-KV, or all three (the decode of a soft-capped
+    model). `python -m cute_flash.audit --sweep`
     compiles them (`--filter float16` for one dtype): the shipped sample covers each path once,
     this covers their combinations."""
     import itertools
@@ -302,7 +303,8 @@ def sweep_configs() -> list:
         make_config(dtype, d, d, short_queries=short, page_size=page, **mask, **extra)
         for dtype, d, short, page, mask, extra in itertools.product(
             DTYPES, TILE_HEADDIMS, (False, True), (None, 16, 256), ({}, {"causal": True}, {"local": True}),
-            ({}, {"softcap": True}, {"seqused_k": True, "split_kv": True}),
+            ({}, {"softcap": True}, {"seqused_k": True, "split_kv": True},
+             {"softcap": True, "seqused_k": True, "split_kv": True}),
         )
     )
 
