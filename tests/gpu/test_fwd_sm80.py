@@ -141,7 +141,7 @@ def test_fwd_headdim_v_differs(d, dv, causal):
 @pytest.mark.parametrize("growing_max", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024), (1001, 333), (4224, 4224)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_q, seqlen_k, growing_max, lazy):
     """Lazy (the row max kept while it grows by <= 8, log2; shipped without a mask) or eager
     (every block moves it) on every tile the backend picks: out and LSE are the softmax's either

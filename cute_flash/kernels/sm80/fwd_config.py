@@ -17,8 +17,8 @@ P V). hd128 takes 128x128 with 8 warps and one stage, with ptxas told one CTA pe
 (without that hint it spills in fp16 with a causal mask): on an H200 (bf16, 2 x 8192 x 16 heads,
 `benchmarks/tune_tiles.py --arch sm_80 --head-dim 128`) 349.2 TFLOP/s against 325.1 for 64x64
 with 4 warps and two stages, 323.9 for 128x64 with 8 warps and 300.0 for 64x128 with 4 warps.
-Without a mask hd128 takes 32 rows per warp after all, with 32 keys per block and the lazy
-rescale (UNMASKED_TILES).
+Without a mask hd96 and hd128 take 32 rows per warp after all, with the lazy rescale
+(UNMASKED_TILES).
 """
 
 from __future__ import annotations
@@ -61,14 +61,16 @@ TILES = {
 # H200 (bf16, `benchmarks/tune_tiles.py --arch sm_80`, 2 x 8192 x 16 heads) 366.9-376.2 TFLOP/s
 # over four runs against 352.9 for 128x128 with 8 warps in the first (349.1 there for 128x32
 # without the lazy rescale; 8 x 2048: 352.4 against 331.3). With a causal mask it measured slower
-# (321.4 against 334.2), so masked calls keep TILES.
-UNMASKED_TILES = {**TILES, 128: Tile(128, 32, 4, 2, min_ctas_per_sm=1)}
+# (321.4 against 334.2), so masked calls keep TILES. hd96 fits 64 keys per block with the lazy
+# rescale (eager, that tile spilled 20/16 B): 374.4 TFLOP/s against 322.9 for its 8-warp 128x128
+# (8 x 2048: 365.5 against 302.7; SDPA's FlashAttention-2 353.9 and 331.7).
+UNMASKED_TILES = {**TILES, 96: Tile(128, 64, 4, 2), 128: Tile(128, 32, 4, 2, min_ctas_per_sm=1)}
 # Head dims whose unmasked calls take the lazy rescale (`Sm80FwdConfig.lazy_rescale`): on an H200
 # (as above) hd64 354.1 against 335.1 TFLOP/s; with a causal mask it gained nothing (hd64 299.0
 # against 298.3; hd128 on 128x32 above), so masked calls stay eager. hd256 measured 330.0 against
 # 323.3 with it (one run each), and its varlen split-KV variants spill with it (12/8 B, bf16,
 # sm_90a): not taken.
-UNMASKED_LAZY_HEADDIMS = (64, 128)
+UNMASKED_LAZY_HEADDIMS = (64, 96, 128)
 # Calls whose queries per (sequence, head) fit in 64 rows (decode, packed GQA decode): most rows
 # of a 128-row tile would be empty, and the kernel streams keys; hd128 keeps the smaller tile
 # with two K/V stages there (measured on an H200 as packed-GQA decode at 3.85-4.40 TB/s with
