@@ -147,6 +147,12 @@ def transposed(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=order))
 
 
+def smem_operands(tiled_mma: cute.TiledMma, wg_mma, a: cute.Tensor, b: cute.Tensor) -> tuple:
+    """The A and B fragments of a GEMM whose operands both come from shared memory, partitioned
+    by the warpgroup's slice `wg_mma` (`FlashBwdSm90.mma_slices`)."""
+    return tiled_mma.make_fragment_A(wg_mma.partition_A(a)), tiled_mma.make_fragment_B(wg_mma.partition_B(b))
+
+
 def stats_view(mX: cute.Tensor, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
     """LSE / D (b, h, s) -> (s, h, b), or varlen (h, total) -> (total, h): tokens first, for TMA."""
     order = [1, 0] if cutlass.const_expr(varlen) else [2, 1, 0]
@@ -605,10 +611,9 @@ class FlashBwdSm90(TimelineCounters):
         (thr_mma_SdP, wg_mma_SdP), (thr_mma_dK, wg_mma_dK), (thr_mma_dV, wg_mma_dV), (thr_mma_dQ, wg_mma_dQ) = (
             self.mma_slices(ctidx, wg_idx, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ))
 
-        tSrK = tiled_mma_SdP.make_fragment_A(wg_mma_SdP.partition_A(sK))
-        tSrQ = tiled_mma_SdP.make_fragment_B(wg_mma_SdP.partition_B(sQ))
-        tdPrV = tiled_mma_SdP.make_fragment_A(wg_mma_SdP.partition_A(sV))
-        tdPrdO = tiled_mma_SdP.make_fragment_B(wg_mma_SdP.partition_B(sdO))
+        # S^T = K Q^T and dP^T = V dO^T: keys on M
+        tSrK, tSrQ = smem_operands(tiled_mma_SdP, wg_mma_SdP, sK, sQ)
+        tdPrV, tdPrdO = smem_operands(tiled_mma_SdP, wg_mma_SdP, sV, sdO)
         tdVrdOt = tiled_mma_dV.make_fragment_B(wg_mma_dV.partition_B(transposed(sdO)))
         tdKrQt = tiled_mma_dK.make_fragment_B(wg_mma_dK.partition_B(transposed(sQ)))
         if cutlass.const_expr(cfg.dq_split):
@@ -853,18 +858,15 @@ class FlashBwdSm90(TimelineCounters):
         (thr_mma_SdP, wg_mma_SdP), (thr_mma_dK, wg_mma_dK), (thr_mma_dV, wg_mma_dV), (thr_mma_dQ, wg_mma_dQ) = (
             self.mma_slices(ctidx, wg_idx, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ))
 
-        tSrQ = tiled_mma_SdP.make_fragment_A(wg_mma_SdP.partition_A(sQ))
-        tSrK = tiled_mma_SdP.make_fragment_B(wg_mma_SdP.partition_B(sK))
-        tdPrdO = tiled_mma_SdP.make_fragment_A(wg_mma_SdP.partition_A(sdO))
-        tdPrV = tiled_mma_SdP.make_fragment_B(wg_mma_SdP.partition_B(sV))
+        # S = Q K^T and dP = dO V^T: queries on M
+        tSrQ, tSrK = smem_operands(tiled_mma_SdP, wg_mma_SdP, sQ, sK)
+        tdPrdO, tdPrV = smem_operands(tiled_mma_SdP, wg_mma_SdP, sdO, sV)
         # dV^T / dK^T: A the MN-major views of dO and Q, B the warpgroup's keys of P^T / dS^T
         tdVrdOt = tiled_mma_dV.make_fragment_A(wg_mma_dV.partition_A(transposed(sdO)))
-        tdKrQt = tiled_mma_dK.make_fragment_A(wg_mma_dK.partition_A(transposed(sQ)))
-        tdKVrPdS = tiled_mma_dK.make_fragment_B(wg_mma_dK.partition_B(sdS))  # (..., ds_stages + 1)
+        tdKrQt, tdKVrPdS = smem_operands(tiled_mma_dK, wg_mma_dK, transposed(sQ), sdS)  # (..., ds_stages + 1)
         # dQ: A = dS (MN-major view of dS^T, all 96 keys), B = K^T over this warpgroup's columns
-        tdQrdS = tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(sdS)))
         sK_wg = cute.local_tile(sK, (cfg.tile_n, cfg.dq_cols), (0, wg_idx))
-        tdQrKt = tiled_mma_dQ.make_fragment_B(wg_mma_dQ.partition_B(transposed(sK_wg)))
+        tdQrdS, tdQrKt = smem_operands(tiled_mma_dQ, wg_mma_dQ, transposed(sdS), transposed(sK_wg))
         # P and dS (queries x keys fragments) into the (keys, queries) tiles: transposing stmatrix
         stsm_PdS = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(True, 4), self.dtype), tiled_mma_SdP
