@@ -96,7 +96,6 @@ def on_gpu(opts) -> None:
 
     from cute_flash.backends import get_backend
     from cute_flash.backends.base import AttnArgs
-    from cute_flash.kernels.sm90.fwd_config import make_config
 
     backend = get_backend("cute-sm90")
     ka = backend.cache.args
@@ -109,7 +108,7 @@ def on_gpu(opts) -> None:
             q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(3))
             out = torch.empty_like(q)
             lse = torch.empty(b, h, s, device="cuda")
-            shipped = apply_overrides(make_config("bfloat16", d, d, causal=causal), opts.overrides)
+            shipped = apply_overrides(backend.config(q, k, v, lse, args), opts.overrides)
             profiled = replace(shipped, timeline=True)
 
             def run(config):

@@ -194,3 +194,37 @@ def test_split_kv_forward_and_combine_launch_with_the_same_batch_and_query_rows(
     assert fwd_config.split_kv and fwd[-1] == 4
     assert combine[8:11] == (3, fwd[9], 4)  # num_batch, max_seqlen_q, splits: the forward's
     assert fwd[8] == 3 and fwd[9] == 4  # the 4 query heads of a group packed as 4 rows
+
+
+def test_kv_clusters_pair_query_blocks_that_see_the_same_keys():
+    backend = CuteSm90Backend()
+    args = AttnArgs(0.1)
+    even, odd = _q(2, 1024, 16), _q(2, 1100, 16)  # 8 and 9 query blocks of 128
+    config = backend.config(even, even, even, None, args)
+    assert config.cluster_kv and config.name.endswith("_persistent_cluster")
+    assert not backend.config(odd, odd, odd, None, args).cluster_kv
+    causal = AttnArgs(0.1, causal=True, window_right=0)
+    assert not backend.config(even, even, even, None, causal).cluster_kv
+    local = AttnArgs(0.1, window_left=64, window_right=0)
+    assert not backend.config(even, even, even, None, local).cluster_kv
+    # hd64's 192-row tiles: 1152 rows are 6 query blocks, 1200 are 7
+    hd64 = [_q(2, s, 32, 64) for s in (1152, 1200)]
+    assert backend.config(*[hd64[0]] * 3, None, args).cluster_kv
+    assert not backend.config(*[hd64[1]] * 3, None, args).cluster_kv
+    # head dim 192's one CTA per tile takes clusters too, 256's 128 x 64 tile does not
+    assert backend.config(*[_q(2, 1024, 8, 192)] * 3, None, args).cluster_kv
+    assert not backend.config(*[_q(2, 1024, 8, 256)] * 3, None, args).cluster_kv
+    for flags in (dict(causal=True), dict(local=True), dict(varlen_q=True, varlen_k=True), dict(seqused_k=True)):
+        with pytest.raises(ValueError, match="cluster_kv"):
+            fc.Sm90FwdConfig(**{**fc.make_config("bfloat16", 128, 128).__dict__, "tile_counter": False,
+                                "cluster_kv": True, **flags})
+
+
+def test_kv_cluster_grid_is_pairs_of_ctas():
+    config = fc.with_cluster_kv(fc.make_config("bfloat16", 128, 128), 64)
+    assert config.cluster_kv
+    q = _q(2, 8192, 16)
+    assert persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132) == (132, 1)
+    assert persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=133) == (132, 1)
+    small = _q(1, 256, 3)  # 2 query blocks x 3 heads: 3 pairs
+    assert persistent_schedule(config, small, small, AttnArgs(0.1), num_sms=132) == (6, 1)

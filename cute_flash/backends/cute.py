@@ -508,11 +508,14 @@ def heads_per_section(config, q, k, args: AttnArgs) -> int:
 
 def persistent_schedule(config, q, k, args: AttnArgs, num_sms: Optional[int] = None) -> tuple:
     """(CTAs, heads per section) of a persistent sm_90 forward call: one CTA per SM, never more
-    than the tiles, and `heads_per_section`."""
+    than the tiles, and `heads_per_section`. With `cluster_kv` the CTAs come in pairs (a cluster
+    takes two tiles at a time), so the grid is even."""
     num_batch, max_seqlen_q = query_sizes(q, args)
     tiles = -(-max_seqlen_q // config.tile_m) * q.shape[-2] * num_batch
     if num_sms is None:
         num_sms = _num_sms(q.device)
+    if getattr(config, "cluster_kv", False):
+        return 2 * max(1, min(tiles // 2, num_sms // 2)), heads_per_section(config, q, k, args)
     return max(1, min(tiles, num_sms)), heads_per_section(config, q, k, args)
 
 
@@ -535,6 +538,15 @@ class CuteSm90Backend(_CuteBackend):
     # heads, head dim 128, CUDA-graph replays) that takes batch 16 with 32k keys from 1.52 to
     # 4.30 TB/s and batch 1 with 8k keys from 0.36 to 1.28 TB/s.
     decode_on_sm80_kernels: bool = True
+
+    def config(self, q, k, v, lse, args: AttnArgs, **flags):
+        """As the base class's, with `cluster_kv` where the call's shape allows it (`with_cluster_kv`:
+        no mask, no varlen, an even number of query blocks)."""
+        from ..kernels.sm90.fwd_config import with_cluster_kv
+
+        config = super().config(q, k, v, lse, args, **flags)
+        _, max_seqlen_q = query_sizes(q, args)
+        return with_cluster_kv(config, -(-max_seqlen_q // config.tile_m))
 
     def launch_extra(self, config, q, k, args: AttnArgs, a: KernelArgs) -> tuple:
         """The persistent grid's size (ignored by the one-CTA-per-tile kernels, which take it all

@@ -273,6 +273,45 @@ def test_sm90_fwd_causal_schedules_cover_every_tile(d, seqlen_q, seqlen_k, sched
     check_forward(out, lse, q, k, v, args)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(2304, 2048), (1000, 1001), (1000, 77), (256, 4097)])
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (128, 64), (64, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sm90_fwd_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, seqlen_q, seqlen_k):
+    """Unmasked calls with an even number of query blocks take `cluster_kv` (pairs of CTAs that
+    load half of each K/V tile into both by TMA multicast): the oracle passes, and O and the LSE
+    are bitwise those of the same kernel without clusters (the same arithmetic in the same
+    order). Key tails are cut mid-tile, K/V sit in NaN-filled buffers, and 3 x 24 heads give
+    the persistent grid several tiles per cluster."""
+    backend = _backend()
+    torch.manual_seed(d + dv + seqlen_q + seqlen_k)
+    q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, dv, dtype)
+    args = _args(d)
+    lse = torch.empty(3, 24, seqlen_q, dtype=torch.float32, device="cuda")
+    shipped = backend.config(q, k, v, lse, args)
+    assert shipped.cluster_kv, shipped.name
+    out, lse = _run(q, k, v, args)
+    check_forward(out, lse, q, k, v, args)
+    alone = replace(shipped, cluster_kv=False)
+    fn, _ = backend.cache.get(alone, backend.arch())
+    a = backend.cache.args
+    out1, lse1 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    backend.launch(fn, q, k, v, out1, lse1, args, a, extra=backend.launch_extra(alone, q, k, args, a))
+    torch.cuda.synchronize()
+    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+
+
+def test_sm90_fwd_kv_clusters_only_where_both_ctas_see_the_same_keys():
+    """`cluster_kv` needs an even number of query blocks and no mask or varlen; other calls keep
+    single CTAs (and still pass the oracle)."""
+    backend = _backend()
+    torch.manual_seed(3)
+    for seqlen_q, causal in ((1100, False), (2048, True)):
+        q, k, v = _qkv(2, seqlen_q, 1024, 8, 8, 128, 128, torch.bfloat16)
+        args = _args(128, causal)
+        assert not backend.config(q, k, v, None, args).cluster_kv
+        _check(q, k, v, args)
+
+
 def test_sm90_fwd_tile_counters_of_concurrent_calls_are_their_own():
     """Causal calls queued back to back on two streams, each stream with its own tile counter,
     give the results of one call alone: no call takes or skips another's tiles."""

@@ -120,6 +120,7 @@ class FlashFwdSm90(TimelineCounters):
         self.cfg = config
         self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
         self.num_consumer_threads = 128 * config.num_consumer_wgs
+        self.cluster_size = 2 if config.cluster_kv else 1
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -173,11 +174,15 @@ class FlashFwdSm90(TimelineCounters):
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
             load, tma_view(mQ, cfg.varlen_q), sQ_layout, (cfg.tile_m, cfg.head_dim)
         )
+        # `cluster_kv`: each CTA of a cluster loads half of a K/V tile into both CTAs
+        load_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if cutlass.const_expr(cfg.cluster_kv) else load
         tma_K, tma_mK = cpasync.make_tiled_tma_atom(
-            load, tma_view(mK, cfg.varlen_k), cute.select(sK_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim)
+            load_kv, tma_view(mK, cfg.varlen_k), cute.select(sK_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim),
+            num_multicast=self.cluster_size,
         )
         tma_V, tma_mV = cpasync.make_tiled_tma_atom(
-            load, tma_view(mV, cfg.varlen_k), cute.select(sV_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim_v)
+            load_kv, tma_view(mV, cfg.varlen_k), cute.select(sV_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim_v),
+            num_multicast=self.cluster_size,
         )
         tma_O, tma_mO = None, None
         if cutlass.const_expr(not cfg.varlen_q):
@@ -211,6 +216,7 @@ class FlashFwdSm90(TimelineCounters):
         ).launch(
             grid=grid,
             block=[cfg.num_threads, 1, 1],
+            cluster=[self.cluster_size, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
@@ -265,6 +271,10 @@ class FlashFwdSm90(TimelineCounters):
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # one arrive per consumer warp (lane 0 signals the empty barrier)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
+        # `cluster_kv`: a K/V slot is free once the consumer warps of both CTAs have released it
+        # (lanes 0 and 1 of each warp arrive on the barriers of CTAs 0 and 1)
+        kv_consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_size * self.num_consumer_threads // 32)
+        kv_cluster = cute.make_layout((1, 2, 1, 1)) if cutlass.const_expr(cfg.cluster_kv) else None
         tx_bytes = self.dtype.width // 8
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer,
@@ -272,13 +282,16 @@ class FlashFwdSm90(TimelineCounters):
         )
         pipeline_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_K.data_ptr(), num_stages=cfg.num_stages, producer_group=producer,
-            consumer_group=consumers, tx_count=cfg.tile_n * cfg.head_dim * tx_bytes, defer_sync=True,
+            consumer_group=kv_consumers, tx_count=cfg.tile_n * cfg.head_dim * tx_bytes, defer_sync=True,
+            cta_layout_vmnk=kv_cluster, mcast_mode_mn=(0, 1),
         )
         pipeline_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_V.data_ptr(), num_stages=cfg.num_stages, producer_group=producer,
-            consumer_group=consumers, tx_count=cfg.tile_n * cfg.head_dim_v * tx_bytes, defer_sync=True,
+            consumer_group=kv_consumers, tx_count=cfg.tile_n * cfg.head_dim_v * tx_bytes, defer_sync=True,
+            cta_layout_vmnk=kv_cluster, mcast_mode_mn=(0, 1),
         )
-        pipeline.pipeline_init_arrive()
+        # with a cluster, the peer's TMA and arrives may reach this CTA's barriers only once they are initialized
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_size, 1), is_relaxed=True)
 
         # The WGMMA atoms swizzle byte addresses: the swizzle goes on the pointer.
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -290,7 +303,7 @@ class FlashFwdSm90(TimelineCounters):
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         if cutlass.const_expr(cfg.persistent):
-            pipeline.pipeline_init_wait()
+            pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_size, 1))
             self.run_persistent(
                 tidx, warp_idx, mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
                 tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO,
@@ -316,7 +329,7 @@ class FlashFwdSm90(TimelineCounters):
             num_heads, num_heads_k = self.head_counts(mQ, mK)
             head_k = head // (num_heads // num_heads_k)
 
-            pipeline.pipeline_init_wait()
+            pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_size, 1))
             # A CTA past the end of its (varlen) sequence has nothing to do; all its threads leave.
             if m_block * cfg.tile_m < seqlen.seqlen_q:
                 if warp_idx < 4:
@@ -356,9 +369,15 @@ class FlashFwdSm90(TimelineCounters):
         """(m_block, head, batch) of a persistent CTA's tile `tile` (`tile_coords`, longest first
         with a causal mask or window) and that sequence's `sequence`."""
         cfg = self.cfg
-        m_block, head, batch = tile_coords(
-            tile, num_m_blocks, num_heads, num_batch, heads_per_section, cfg.causal or cfg.local, cutlass.min
-        )
+        if cutlass.const_expr(cfg.cluster_kv):
+            # `tile` is a pair of query blocks; this CTA takes the one of its rank in the cluster
+            m_pair, head, batch = tile_coords(tile, num_m_blocks // 2, num_heads, num_batch, heads_per_section, False,
+                                              cutlass.min)
+            m_block = 2 * m_pair + cute.arch.block_idx_in_cluster()
+        else:
+            m_block, head, batch = tile_coords(
+                tile, num_m_blocks, num_heads, num_batch, heads_per_section, cfg.causal or cfg.local, cutlass.min
+            )
         return (m_block, head, batch) + self.sequence(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right
         )
@@ -389,6 +408,9 @@ class FlashFwdSm90(TimelineCounters):
         num_tiles = num_m_blocks * num_heads * num_batch
         first_tile, _, _ = cute.arch.block_idx()
         tile_step = cute.arch.grid_dim()[0]
+        if cutlass.const_expr(cfg.cluster_kv):
+            # a cluster walks the pairs of neighbouring query blocks (`persistent_tile`)
+            num_tiles, first_tile, tile_step = num_tiles // 2, first_tile // 2, tile_step // 2
         # what `persistent_tile` takes besides the tile: producer and consumers walk the same tiles
         tile_args = (num_m_blocks, num_heads, num_batch, heads_per_section, mQ, mK, mCuSeqlensQ, mCuSeqlensK,
                      mSeqUsedK, window_left, window_right)
@@ -416,6 +438,8 @@ class FlashFwdSm90(TimelineCounters):
                 else:
                     for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
                         q_state, kv_state = self.load_persistent_tile(tile, tile_args, load_args, q_state, kv_state)
+                if cutlass.const_expr(cfg.cluster_kv):
+                    self.kv_tail(pipeline_k, pipeline_v, kv_state)
         else:
             cute.arch.setmaxregister_increase(cfg.registers[0])
             ctidx = tidx - 128
@@ -516,8 +540,12 @@ class FlashFwdSm90(TimelineCounters):
                              (cfg.tile_n, cfg.head_dim_v), (None, 0))
         one_cta = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        # `cluster_kv`: this CTA's half of each K/V tile, multicast to both CTAs of the cluster
+        kv_rank, kv_ctas, mcast = 0, one_cta, None
+        if cutlass.const_expr(cfg.cluster_kv):
+            kv_rank, kv_ctas, mcast = cute.arch.block_idx_in_cluster(), cute.make_layout(2), cutlass.Int16(3)
+        tKsK, tKgK = cpasync.tma_partition(tma_K, kv_rank, kv_ctas, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_V, kv_rank, kv_ctas, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
         if cutlass.const_expr(states is None):
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -525,26 +553,45 @@ class FlashFwdSm90(TimelineCounters):
         else:
             q_state, kv_state = states
         # K first: the first S GEMM needs only Q and K.
-        self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block_max - 1, kv_state)
+        self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block_max - 1, kv_state, mcast)
         pipeline_q.producer_acquire(q_state)
         cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
             v_state = kv_state.clone()
             kv_state.advance()
-            self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block, kv_state)
-            self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block + 1, v_state)
-        self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block_min, kv_state)
+            self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block, kv_state, mcast)
+            self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block + 1, v_state, mcast)
+        self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block_min, kv_state, mcast)
+        if cutlass.const_expr(cfg.cluster_kv and states is None):
+            kv_state.advance()
+            self.kv_tail(pipeline_k, pipeline_v, kv_state)
         if cutlass.const_expr(states is not None):
             q_state.advance()  # the next tile's Q waits for the consumers to release this one
             kv_state.advance()
             return q_state, kv_state
 
     @staticmethod
-    def load_tile(pipe, tma_atom, tXgX, tXsX, n_block, state):
-        """Wait for ring slot `state` to be free, arm its barrier and TMA key block `n_block` into it."""
+    def load_tile(pipe, tma_atom, tXgX, tXsX, n_block, state, mcast=None):
+        """Wait for ring slot `state` to be free, arm its barrier and TMA key block `n_block` into it
+        (with `mcast`, this CTA's part of it into the slot of every CTA of the mask)."""
         pipe.producer_acquire(state)
-        cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+        if cutlass.const_expr(mcast is None):
+            cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
+        else:
+            cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state), mcast_mask=mcast)
+
+    @cute.jit
+    def kv_tail(self, pipeline_k, pipeline_v, kv_state):
+        """`cluster_kv`: before the producer leaves, every K/V slot is released by the consumers of
+        both CTAs, so that no arrive of the other CTA reaches this one's barriers after it exits
+        (and the other CTA has read all this one loaded into it). `kv_state`: the next slot."""
+        for _ in cutlass.range_constexpr(self.cfg.num_stages):
+            pipeline_k.sync_object_empty.wait(kv_state.index, kv_state.phase)
+            pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
+            kv_state.advance()
 
     @staticmethod
     def rows(tma_mX: cute.Tensor, varlen: cutlass.Constexpr[bool], offset, batch, head) -> cute.Tensor:

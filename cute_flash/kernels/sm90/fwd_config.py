@@ -119,11 +119,20 @@ class Sm90FwdConfig:
     # waiting for S, the softmax, waiting for P·V, and O's rescale with P's conversion -- and
     # their count.
     timeline: bool = False
+    # Clusters of two CTAs on neighbouring query blocks of one (batch, head) share its K and V:
+    # each CTA loads half of every K/V tile by TMA multicast into both, which halves the K/V
+    # reads from L2 (`with_cluster_kv`: unmasked calls without varlen or seqused_k, with an even
+    # number of query blocks, on tiles of 96 keys or more).
+    cluster_kv: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
         if self.timeline and (not self.has_lse or self.num_consumer_wgs > 3):
             raise ValueError("timeline writes its records over the LSE: it needs has_lse (and at most 3 warpgroups)")
+        if self.cluster_kv and (self.causal or self.local or self.varlen_q or self.varlen_k or self.seqused_k
+                                or self.tile_counter):
+            raise ValueError("cluster_kv pairs query blocks that see the same keys: it takes no mask, varlen, "
+                             "seqused_k or tile_counter")
         if self.tile_counter and not self.persistent:
             raise ValueError("tile_counter hands tiles to persistent CTAs; it needs persistent")
         if self.tile_m != 64 * self.num_consumer_wgs:
@@ -179,6 +188,8 @@ class Sm90FwdConfig:
             flags.append("counter")
         if self.timeline:
             flags.append("timeline")
+        if self.cluster_kv:
+            flags.append("cluster")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}wg{self.num_consumer_wgs}s{self.num_stages}"
         return "_".join(["fwd_sm90", self.dtype, hd, tile] + flags)
@@ -223,6 +234,18 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     )
 
 
+def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
+    """`config` with `cluster_kv` where a call with `num_m_blocks` query blocks per sequence can
+    take it: no mask, no varlen or seqused_k, and an even number of query blocks, so that both
+    CTAs of a cluster walk the same key blocks of the same (batch, head); and not on head dim
+    256's 128 x 64 tile, where it measured level (H200, bf16, 2 x 8192 x 8 heads: 722-732
+    TFLOP/s against 730-731): one CTA per tile fills an SM, and a cluster waits for two free SMs."""
+    if (num_m_blocks % 2 or config.causal or config.local or config.varlen_q or config.varlen_k
+            or config.seqused_k or config.tile_n < 96):
+        return config
+    return replace(config, cluster_kv=True)
+
+
 def shipped_configs() -> list:
     """Every tile of the table in both dtypes, causal and not, plus one of each feature variant.
 
@@ -256,6 +279,11 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", d, d, causal=causal, persistent=False)
                 for d in (64, 128) for causal in (False, True)]
     configs += [make_config("bfloat16", d, d, causal=True, tile_counter=False) for d in (64, 128)]
+    # the K/V-sharing clusters of unmasked calls with an even number of query blocks
+    configs += [replace(make_config(dtype, d, d), cluster_kv=True) for d in (64, 96, 128, 192) for dtype in DTYPES]
+    configs += [replace(make_config("bfloat16", 128, 128, softcap=True), cluster_kv=True),
+                replace(make_config("bfloat16", 128, 128, has_lse=False), cluster_kv=True),
+                replace(make_config("bfloat16", 192, 128), cluster_kv=True)]
     return configs
 
 
