@@ -165,7 +165,7 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 26  # each one is compiled and audited
+    assert len(configs) <= 31  # each one is compiled and audited
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -194,6 +194,27 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
     assert replace(keys_n, keys_n=False).name != keys_n.name
     assert replace(keys_n, single_dout=True).name != keys_n.name
     assert replace(wide, dq_rows=False, tile_m=64).name != wide.name
+
+
+def test_sm90_bwd_q_clusters_pair_key_blocks_of_unmasked_calls_up_to_head_dim_128():
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    even, odd = torch.empty(2, 1024, 4, 64, dtype=torch.bfloat16), torch.empty(2, 1100, 4, 64, dtype=torch.bfloat16)
+    main = sm90_configs(even, even, even, None, AttnArgs(0.1))[1]
+    assert main.cluster_q and main.name.endswith("_cluster_q")
+    assert not sm90_configs(odd, odd, odd, None, AttnArgs(0.1))[1].cluster_q  # 9 key blocks
+    short_q = torch.empty(2, 77, 4, 64, dtype=torch.bfloat16)  # the key blocks count, not the query blocks
+    assert sm90_configs(short_q, even, even, None, AttnArgs(0.1))[1].cluster_q
+    assert not sm90_configs(even, even, even, None, AttnArgs(0.1, causal=True, window_right=0))[1].cluster_q
+    assert not sm90_configs(even, even, even, None, AttnArgs(0.1, window_left=64, window_right=64))[1].cluster_q
+    x = torch.empty(2, 1024, 4, 80, dtype=torch.float16)  # padded to 96
+    assert sm90_configs(x, x, x, None, AttnArgs(0.1))[1].cluster_q
+    for d in (128, 192, 256):  # measured level at 128; the column-split tiles keep single CTAs
+        x = torch.empty(2, 1024, 4, d, dtype=torch.bfloat16)
+        assert not sm90_configs(x, x, x, None, AttnArgs(0.1))[1].cluster_q
+    for flags in (dict(causal=True), dict(local=True), dict(varlen_q=True, varlen_k=True), dict(seqused_k=True)):
+        with pytest.raises(ValueError, match="cluster_q"):
+            bc.make_config("bfloat16", 128, 128, cluster_q=True, **flags)
 
 
 def test_sm90_bwd_lpt_order_only_for_causal_calls():

@@ -66,8 +66,12 @@ def sm90_configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> 
         raise NotImplementedError("deterministic=True: the sm_90 backward kernel has no ordered dQ accumulation")
     if args.page_table is not None:
         raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
-    return _configs("sm90", _DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], dlse is not None,
-                    tuple(kernel_flags(args).items()), False)
+    from ..kernels.sm90.bwd_config import with_cluster_q
+
+    pre, main, post = _configs("sm90", _DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], dlse is not None,
+                               tuple(kernel_flags(args).items()), False)
+    # `cluster_q` where the call's key blocks pair up (unmasked calls without varlen: k is (b, s, h, d))
+    return pre, with_cluster_q(main, -(-k.shape[1] // main.tile_n) if k.dim() == 4 else 1), post
 
 
 @functools.lru_cache(maxsize=256)

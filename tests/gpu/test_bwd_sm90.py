@@ -277,6 +277,60 @@ def test_sm90_bwd_matches_the_sm80_kernels(d):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (77, 768), (1, 256), (2049, 2048)])
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sm90_bwd_q_clusters_match_single_ctas(dtype, d, seqlen_q, seqlen_k):
+    """Unmasked calls with an even number of key blocks take `cluster_q` (pairs of CTAs that load
+    half of each Q and dO tile into both by TMA multicast): the oracle passes, with K/V in
+    NaN-framed buffers and GQA (each CTA walks the query blocks of 3 heads); dK and dV are
+    bitwise those of the same kernel without clusters, dQ (added by TMA reduce-adds in any
+    order) equal up to its float32 rounding."""
+    from dataclasses import replace
+
+    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+
+    backend = _backend()
+    torch.manual_seed(d + seqlen_q + seqlen_k)
+    q = randn_in_nan((2, seqlen_q, 6, d), dtype, row_dim=1, pad_rows=3)
+    k, v = nan_framed_kv(2, seqlen_k, 2, d, d, dtype)
+    args = _args(d)
+    pre, main, post = sm90_configs(q, k, v, None, args)
+    assert main.cluster_q == (d <= 96), main.name
+    main = replace(main, cluster_q=True)  # head dim 128 ships single CTAs; its clusters are checked all the same
+    dq, dk, dv = _check(q, k, v, args)
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(dtype), ref_lse.float()
+    torch.manual_seed(1)
+    dout = torch.randn_like(out)
+    runs = []
+    for config in (main, replace(main, cluster_q=False)):
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        backward_sm90(backend, dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
+        torch.cuda.synchronize()
+        runs.append(grads)
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = runs
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
+    torch.testing.assert_close(dq0, dq1, atol=1e-3, rtol=2 * torch.finfo(dtype).eps)
+
+
+def test_sm90_bwd_q_clusters_only_where_both_ctas_walk_the_same_queries():
+    """`cluster_q` needs an even number of key blocks, no mask and a head dim up to 96; other
+    calls keep single CTAs (and still pass the oracle)."""
+    backend = _backend()
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    q = torch.randn(2, 1024, 4, 64, dtype=torch.bfloat16, device="cuda")
+    assert sm90_configs(q, q, q, None, _args(64))[1].cluster_q
+    odd = torch.randn(2, 1100, 4, 64, dtype=torch.bfloat16, device="cuda")  # 9 key blocks
+    assert not sm90_configs(odd, odd, odd, None, _args(64))[1].cluster_q
+    assert not sm90_configs(q, q, q, None, _args(64, causal=True, window_right=0))[1].cluster_q
+    wide = torch.randn(2, 1024, 4, 256, dtype=torch.bfloat16, device="cuda")
+    assert not sm90_configs(wide, wide, wide, None, _args(256))[1].cluster_q
+    _check(odd, odd, odd, _args(64))
+    assert backend.native_backward_takes(q, q, q, _args(64), False)
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_sm90_bwd_buffers_it_allocates_may_hold_anything(monkeypatch, d, varlen):

@@ -69,6 +69,13 @@ formed in registers and dK/dV are written once, in the input dtype.
    its sequence are those of the next one, and they get + 0.0 (P^T, so dS^T and that part of
    dQ, is 0 there).
 
+Q/dO clusters (`cluster_q`: unmasked calls without varlen or seqused_k, with an even number of
+key blocks, at head dims 64 and 96): the grid is launched in clusters of two CTAs on
+neighbouring key blocks of one (KV head, batch), which walk the same query blocks; each CTA's
+producer loads its half of every Q and dO tile by TMA multicast into the stages of both (each
+its own LSE and D rows). A stage's empty barrier counts the consumer warps of both CTAs, and a
+producer waits for every stage to be released before it leaves (`producer_tail`).
+
 Tails: a query block that reaches past seqlen_q, a key block that reaches past seqlen_k and the
 query blocks on a causal diagonal or window edge take the masked path, where P^T is set (not
 multiplied) to 0 for hidden (key, query) pairs, which makes dS^T 0 there too. The rows TMA loads
@@ -166,6 +173,7 @@ class FlashBwdSm90(TimelineCounters):
         self.cfg = config
         self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
         self.num_consumer_threads = 128 * NUM_CONSUMER_WGS
+        self.cluster_size = 2 if config.cluster_q else 1
         # the EMPTY barriers of the dQ tiles follow their FULL ones
         self.barrier_dq_empty = BARRIER_DQ_FULL + NUM_CONSUMER_WGS * config.dq_stages
         # `single_dout`: one per consumer warpgroup, arrived at once it is done reading dS^T
@@ -270,11 +278,15 @@ class FlashBwdSm90(TimelineCounters):
                                             self.stat_layout(cfg.dout_stages), sdQ_layout)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
+        # `cluster_q`: each CTA of a cluster loads half of a Q / dO tile into both
+        load_q = cpasync.CopyBulkTensorTileG2SMulticastOp() if cutlass.const_expr(cfg.cluster_q) else load
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
-            load, tma_view(mQ, cfg.varlen_q), cute.select(sQ_layout, mode=[0, 1]), (cfg.tile_m, cfg.head_dim)
+            load_q, tma_view(mQ, cfg.varlen_q), cute.select(sQ_layout, mode=[0, 1]), (cfg.tile_m, cfg.head_dim),
+            num_multicast=self.cluster_size,
         )
         tma_dO, tma_mdO = cpasync.make_tiled_tma_atom(
-            load, tma_view(mdO, cfg.varlen_q), cute.select(sdO_layout, mode=[0, 1]), (cfg.tile_m, cfg.head_dim_v)
+            load_q, tma_view(mdO, cfg.varlen_q), cute.select(sdO_layout, mode=[0, 1]), (cfg.tile_m, cfg.head_dim_v),
+            num_multicast=self.cluster_size,
         )
         tma_K, tma_mK = cpasync.make_tiled_tma_atom(
             load, tma_view(mK, cfg.varlen_k), sK_layout, (cfg.tile_n, cfg.head_dim)
@@ -348,6 +360,7 @@ class FlashBwdSm90(TimelineCounters):
         ).launch(
             grid=grid,
             block=[cfg.num_threads, 1, 1],
+            cluster=[self.cluster_size, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
@@ -420,10 +433,15 @@ class FlashBwdSm90(TimelineCounters):
         )
         q_bytes = cfg.tile_m * cfg.head_dim * elem_bytes + cfg.stat_box * 4  # Q and the LSE rows
         do_bytes = cfg.tile_m * cfg.head_dim_v * elem_bytes + cfg.stat_box * 4  # dO and the D rows
+        # `cluster_q`: a (Q, dO) stage is free once the consumer warps of both CTAs have released
+        # it (lanes 0 and 1 of each warp arrive on the barriers of CTAs 0 and 1)
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=cfg.num_stages, producer_group=producer,
-            consumer_group=consumers, tx_count=q_bytes if cutlass.const_expr(cfg.single_dout) else q_bytes + do_bytes,
-            defer_sync=True,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.cluster_size * self.num_consumer_threads // 32),
+            tx_count=q_bytes if cutlass.const_expr(cfg.single_dout) else q_bytes + do_bytes, defer_sync=True,
+            cta_layout_vmnk=cute.make_layout((1, 2, 1, 1)) if cutlass.const_expr(cfg.cluster_q) else None,
+            mcast_mode_mn=(0, 1),
         )
         pipeline_do = None  # `single_dout`: dO and D in a ring of their own
         if cutlass.const_expr(cfg.single_dout):
@@ -431,7 +449,8 @@ class FlashBwdSm90(TimelineCounters):
                 barrier_storage=storage.mbar_dO.data_ptr(), num_stages=cfg.dout_stages, producer_group=producer,
                 consumer_group=consumers, tx_count=do_bytes, defer_sync=True,
             )
-        pipeline.pipeline_init_arrive()
+        # with a cluster, the peer's TMA and arrives may reach this CTA's barriers only once they are initialized
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_size, 1), is_relaxed=True)
 
         # The WGMMA atoms swizzle byte addresses: the swizzle goes on the pointer.
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -461,7 +480,7 @@ class FlashBwdSm90(TimelineCounters):
         m_block_min, m_block_max = block_info.m_block_range(seqlen, n_block)
         m_steps = cutlass.max(m_block_max - m_block_min, 0)
 
-        pipeline.pipeline_init_wait()
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_size, 1))
         # A CTA past the end of its (varlen) key sequence has nothing to do; all its threads leave.
         if n_block * cfg.tile_n < seqlen.seqlen_k:
             if warp_idx < 4:
@@ -512,6 +531,10 @@ class FlashBwdSm90(TimelineCounters):
         cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
         cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
 
+        # `cluster_q`: this CTA's half of each Q / dO tile, multicast to both CTAs of the cluster
+        q_rank, q_ctas = 0, one_cta
+        if cutlass.const_expr(cfg.cluster_q):
+            q_rank, q_ctas = cute.arch.block_idx_in_cluster(), cute.make_layout(2)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         do_state = None
         if cutlass.const_expr(cfg.single_dout):
@@ -524,9 +547,9 @@ class FlashBwdSm90(TimelineCounters):
                                   (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
             gLSE = self.stat_block(tma_mLSE, seqlen.offset_q, batch, head, m_block)
             gD = self.stat_block(tma_mD, seqlen.offset_q, batch, head, m_block)
-            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, q_rank, q_ctas, cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one_cta, cute.group_modes(sdO, 0, 2),
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, q_rank, q_ctas, cute.group_modes(sdO, 0, 2),
                                                    cute.group_modes(gdO, 0, 2))
             tLsL, tLgL = cpasync.tma_partition(tma_LSE, 0, one_cta, cute.group_modes(sLSE, 0, 1),
                                                cute.group_modes(gLSE, 0, 1))
@@ -534,7 +557,10 @@ class FlashBwdSm90(TimelineCounters):
                                                cute.group_modes(gD, 0, 1))
             pipeline_q.producer_acquire(state)
             bar = pipeline_q.producer_get_barrier(state)
-            cute.copy(tma_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar)
+            if cutlass.const_expr(cfg.cluster_q):
+                cute.copy(tma_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3))
+            else:
+                cute.copy(tma_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar)
             cute.copy(tma_LSE, tLgL, tLsL[None, state.index], tma_bar_ptr=bar)
             do_index = state.index
             if cutlass.const_expr(cfg.single_dout):  # dO and D wait for their own stage
@@ -542,9 +568,16 @@ class FlashBwdSm90(TimelineCounters):
                 bar = pipeline_do.producer_get_barrier(do_state)
                 do_index = do_state.index
                 do_state.advance()
-            cute.copy(tma_dO, tdOgdO, tdOsdO[None, do_index], tma_bar_ptr=bar)
+            if cutlass.const_expr(cfg.cluster_q):
+                cute.copy(tma_dO, tdOgdO, tdOsdO[None, do_index], tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3))
+            else:
+                cute.copy(tma_dO, tdOgdO, tdOsdO[None, do_index], tma_bar_ptr=bar)
             cute.copy(tma_D, tDgD, tDsD[None, do_index], tma_bar_ptr=bar)
             state.advance()
+        if cutlass.const_expr(cfg.cluster_q):
+            # every stage released by the consumers of both CTAs before the producer leaves: no
+            # arrive of the other CTA reaches this one's barriers after it exits
+            pipeline_q.producer_tail(state)
 
     @cute.jit
     def write_dq(self, tma_dQ, tma_mdQ, sdQ, seqlen: SeqlenInfo, head_k, batch, group, m_block_min, m_steps):

@@ -49,6 +49,18 @@ early takes the next tile, as the hardware's grid scheduler would. The producer 
 tile index to the consumers through shared memory between two named barriers. The call's last
 add sets the counter back to 0 (`reset_counter_after_last_add`), so one counter per stream
 serves every call (`CuteSm90Backend.tile_counter`).
+
+K/V clusters (`cluster_kv`: unmasked calls without varlen or seqused_k, with an even number of
+query blocks, on tiles of 96 keys or more): the grid is launched in clusters of two CTAs on
+neighbouring query blocks of one (batch, head) -- persistent CTAs walk pairs of query blocks,
+the cluster's rank picking the block -- and each CTA's producer loads its half of every K and V
+tile by TMA multicast into the slots of both. A slot's full barrier expects the whole tile (half
+from each CTA's copy); its empty barrier counts the consumer warps of both CTAs (lanes 0 and 1 of
+a warp arrive on CTA 0's and CTA 1's), so a producer overwrites a slot only once both CTAs are
+done with it. Before a producer leaves, it waits for every slot to be released (`kv_tail`), so
+that no arrive of the other CTA reaches a CTA that has exited. Both CTAs walk the same key
+blocks; the arithmetic is unchanged (O is bitwise that of single CTAs), and L2 serves half the
+K/V bytes, which at the H200's power cap shows as a higher SM clock.
 """
 
 from __future__ import annotations

@@ -335,7 +335,9 @@ def sweep_configs() -> list:
             DTYPES, ((128, 64), (64, 128), (192, 128), (256, 128), (128, 256)), (False, True),
         )
     )
-    return distinct(itertools.chain(equal, unequal))
+    configs = list(itertools.chain(equal, unequal))
+    # and those calls with an even number of query blocks (`with_cluster_kv`)
+    return distinct(configs + [with_cluster_kv(c, 2) for c in configs])
 
 
 def sweep_targets(arch: str) -> list:
