@@ -588,3 +588,17 @@ def test_mma_sync_peak_compiles_for_sm90a(capsys):
 
     assert mma_sync_peak.main(["--compile-only", "--warps", "4", "--iters", "8"]) == 0
     assert "4 warps per CTA: compiled" in capsys.readouterr().out
+
+
+def test_ab_clusters_parses_cases_and_compiles_each_variant(capsys):
+    """benchmarks/ab_clusters.py: `head dim:seqlen:batch` cases; on the CPU it compiles both
+    variants of every case (the cluster and single CTAs) and reports their spills."""
+    import ab_clusters
+
+    assert ab_clusters.parse_cases("128:8192:2,64:16384:1") == [(128, 8192, 2), (64, 16384, 1)]
+    assert ab_clusters.parse_cases("") == []
+    assert ab_clusters.main(["--compile-only", "--fwd", "128:2048:8", "--bwd", "64:2048:8"]) == 0
+    out = capsys.readouterr().out
+    for label in ("fwd hd128 cluster", "fwd hd128 single", "bwd hd64 cluster", "bwd hd64 single"):
+        assert label in out
+    assert "SPILLS" not in out
