@@ -412,10 +412,10 @@ def with_cluster_q(config: Sm90BwdConfig, num_n_blocks: int) -> Sm90BwdConfig:
     it: no mask, no varlen or seqused_k, an even number of key blocks (both CTAs of a cluster
     walk the same query blocks of the same heads), on the tiles of head dims 64 and 96.
 
-    On an H200 (bf16, 2 x 8192, 2048 / head dim heads, the backward's three kernels, medians of
-    five rounds): head dim 64 5.41 against 5.57 ms, 96 5.90 against 5.99; at 128 level (4.65
-    against 4.67: the SMs ran 2% faster, 1695 against 1660 MHz, but a cluster's CTAs wait for each
-    other's release of a stage), so head dim 128 keeps single CTAs."""
+    On an H200 (`benchmarks/ab_clusters.py --rounds 5`: bf16, 2 x 8192, 2048 / head dim heads, the
+    backward's three kernels, medians): head dim 64 503.8 against 489.0 TFLOP/s, 96 456.1 against
+    451.0; at 128 level (579.2 against 577.2: the SMs ran 2% faster, 1683 against 1654 MHz, but a
+    cluster's CTAs wait for each other's release of a stage), so head dim 128 keeps single CTAs."""
     if (num_n_blocks % 2 or config.causal or config.local or config.varlen_q or config.varlen_k
             or config.seqused_k or config.dkv_split or config.single_dout or config.timeline
             or max(config.head_dim, config.head_dim_v) > 96):

@@ -238,8 +238,12 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     """`config` with `cluster_kv` where a call with `num_m_blocks` query blocks per sequence can
     take it: no mask, no varlen or seqused_k, and an even number of query blocks, so that both
     CTAs of a cluster walk the same key blocks of the same (batch, head); and not on head dim
-    256's 128 x 64 tile, where it measured level (H200, bf16, 2 x 8192 x 8 heads: 722-732
-    TFLOP/s against 730-731): one CTA per tile fills an SM, and a cluster waits for two free SMs."""
+    256's 128 x 64 tile, where it measured level (H200, bf16, 2 x 8192 x 8 heads, three rounds:
+    722-732 TFLOP/s against 730-731): one CTA per tile fills an SM, and a cluster waits for two
+    free SMs. Elsewhere on an H200 (`benchmarks/ab_clusters.py --rounds 5`, bf16, 2048 / head dim
+    heads, medians): head dim 128 2 x 8192 666.4 against 646.9 TFLOP/s (SM clock 1674 against
+    1633 MHz at the 700 W cap), 8 x 2048 615.2 against 606.7; 96 558.2 against 541.6; 192 716.9
+    against 709.1; 64 at 1 x 16384 534.1 against 530.1."""
     if (num_m_blocks % 2 or config.causal or config.local or config.varlen_q or config.varlen_k
             or config.seqused_k or config.tile_n < 96):
         return config
