@@ -185,3 +185,23 @@ def test_sm90_every_shipped_config_compiles_without_spills_with_hgmma_tma_and_se
         if row.smem_dynamic is not None and smem != config.smem_bytes:
             problems.append(f"{row.name}: takes {smem} bytes of shared memory, smem_bytes says {config.smem_bytes}")
     assert not problems, "\n".join(problems)
+
+
+def test_sm90_warmup_of_a_call_compiles_its_k_v_cluster_variant_too(tmp_path, monkeypatch):
+    """A dict entry compiles what a call with those flags may run: unmasked, also the
+    `cluster_kv` kernel of calls with an even number of query blocks; causal, one kernel."""
+    import warnings
+
+    from cute_flash import backends
+    from cute_flash.backends import cute
+
+    monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(backends._instances, "cute-sm90", cute.CuteSm90Backend())  # an empty cache
+    plain = dict(dtype="bfloat16", head_dim=128, head_dim_v=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without CUDA libraries no object file; memory caching works
+        report = cute.warmup([plain, {**plain, "causal": True}], backend="cute-sm90", arch="sm_90a")
+    configs = [r[0] for r in report]
+    single = fc.make_config(**plain)
+    assert configs == [single, fc.with_cluster_kv(single, 2), fc.make_config(**plain, causal=True)]
+    assert configs[1].cluster_kv and [r[1] for r in report] == ["compiled"] * 3

@@ -644,21 +644,28 @@ def warmup(configs: Iterable, backend: Optional[str] = None, arch: Optional[str]
 
     `configs` holds config dataclasses of the backend's kernels, or dicts of `make_config`
     arguments, e.g. `{"dtype": "bfloat16", "head_dim": 128, "head_dim_v": 128, "causal": True}`.
+    On cute-sm90 a dict also compiles the configuration's K/V-cluster variant where the call's
+    shape may pick it (`with_cluster_kv`: unmasked calls with an even number of query blocks).
     `backend` is "cute-sm80" or "cute-sm90" (default: the current GPU's cute backend); `arch`
-    defaults to the current GPU's. Returns one (config, source, seconds) per entry, source
-    being "memory", "disk" or "compiled".
+    defaults to the current GPU's. Returns one (config, source, seconds) per configuration,
+    source being "memory", "disk" or "compiled".
     """
     from . import get_backend
 
     chosen = get_backend(backend or "cute")
-    make_config = importlib.import_module(chosen.config_module).make_config
+    module = importlib.import_module(chosen.config_module)
     arch = arch or chosen.arch()
     report = []
     for entry in configs:
-        config = make_config(**entry) if isinstance(entry, dict) else entry
-        start = time.perf_counter()
-        _, source = chosen.cache.get(config, arch)
-        report.append((config, source, time.perf_counter() - start))
+        todo = [entry]
+        if isinstance(entry, dict):
+            todo = [module.make_config(**entry)]
+            if hasattr(module, "with_cluster_kv"):
+                todo = list(dict.fromkeys(todo + [module.with_cluster_kv(todo[0], 2)]))
+        for config in todo:
+            start = time.perf_counter()
+            _, source = chosen.cache.get(config, arch)
+            report.append((config, source, time.perf_counter() - start))
     return report
 
 
