@@ -115,7 +115,7 @@ from .bwd_config import (
     TIMELINE_PHASES,
     Sm90BwdConfig,
 )
-from .fwd import FlashFwdSm90, tile_coords, tma_view
+from .fwd import FlashFwdSm90, multicast, tile_coords, tma_view
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
 
 
@@ -532,9 +532,9 @@ class FlashBwdSm90(TimelineCounters):
         cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
 
         # `cluster_q`: this CTA's half of each Q / dO tile, multicast to both CTAs of the cluster
-        q_rank, q_ctas = 0, one_cta
+        q_rank, q_ctas, mcast = 0, one_cta, None
         if cutlass.const_expr(cfg.cluster_q):
-            q_rank, q_ctas = cute.arch.block_idx_in_cluster(), cute.make_layout(2)
+            q_rank, q_ctas, mcast = cute.arch.block_idx_in_cluster(), cute.make_layout(2), cutlass.Int16(3)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         do_state = None
         if cutlass.const_expr(cfg.single_dout):
@@ -557,10 +557,7 @@ class FlashBwdSm90(TimelineCounters):
                                                cute.group_modes(gD, 0, 1))
             pipeline_q.producer_acquire(state)
             bar = pipeline_q.producer_get_barrier(state)
-            if cutlass.const_expr(cfg.cluster_q):
-                cute.copy(tma_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3))
-            else:
-                cute.copy(tma_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar, **multicast(mcast))
             cute.copy(tma_LSE, tLgL, tLsL[None, state.index], tma_bar_ptr=bar)
             do_index = state.index
             if cutlass.const_expr(cfg.single_dout):  # dO and D wait for their own stage
@@ -568,10 +565,7 @@ class FlashBwdSm90(TimelineCounters):
                 bar = pipeline_do.producer_get_barrier(do_state)
                 do_index = do_state.index
                 do_state.advance()
-            if cutlass.const_expr(cfg.cluster_q):
-                cute.copy(tma_dO, tdOgdO, tdOsdO[None, do_index], tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3))
-            else:
-                cute.copy(tma_dO, tdOgdO, tdOsdO[None, do_index], tma_bar_ptr=bar)
+            cute.copy(tma_dO, tdOgdO, tdOsdO[None, do_index], tma_bar_ptr=bar, **multicast(mcast))
             cute.copy(tma_D, tDgD, tDsD[None, do_index], tma_bar_ptr=bar)
             state.advance()
         if cutlass.const_expr(cfg.cluster_q):

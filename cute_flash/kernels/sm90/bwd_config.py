@@ -43,6 +43,7 @@ or below and is `STAT_ALIGN` rows longer (`stat_box`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -315,8 +316,7 @@ class Sm90BwdConfig:
             raise ValueError("dq_fence_late needs dq_writer")
         if self.dq_stages not in (1, 2) or (self.dq_stages == 2 and not self.dq_writer):
             raise ValueError(f"dq_stages must be 1, or 2 with dq_writer; got {self.dq_stages}")
-        if self.cluster_q and (self.causal or self.local or self.varlen_q or self.varlen_k or self.seqused_k
-                               or self.dkv_split or self.single_dout or self.timeline):
+        if self.cluster_q and not self.pairs_key_blocks:
             raise ValueError("cluster_q pairs key blocks that walk the same query blocks: it takes no mask, varlen, "
                              "seqused_k, column-split tile (dkv_split) or timeline")
         if self.lpt and not self.causal:
@@ -329,6 +329,14 @@ class Sm90BwdConfig:
                              f"got {self.dq_cols} columns")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
+
+    @property
+    def pairs_key_blocks(self) -> bool:
+        """Whether two CTAs on neighbouring key blocks walk the same query blocks and the kernel
+        can share them (`cluster_q`): no mask, varlen or seqused_k, and not the column-split tile
+        or the profiling build."""
+        return not (self.causal or self.local or self.varlen_q or self.varlen_k or self.seqused_k or self.dkv_split
+                    or self.single_dout or self.timeline)
 
     @property
     def stat_box(self) -> int:
@@ -416,10 +424,14 @@ def with_cluster_q(config: Sm90BwdConfig, num_n_blocks: int) -> Sm90BwdConfig:
     backward's three kernels, medians): head dim 64 503.8 against 489.0 TFLOP/s, 96 456.1 against
     451.0; at 128 level (579.2 against 577.2: the SMs ran 2% faster, 1683 against 1654 MHz, but a
     cluster's CTAs wait for each other's release of a stage), so head dim 128 keeps single CTAs."""
-    if (num_n_blocks % 2 or config.causal or config.local or config.varlen_q or config.varlen_k
-            or config.seqused_k or config.dkv_split or config.single_dout or config.timeline
-            or max(config.head_dim, config.head_dim_v) > 96):
+    if num_n_blocks % 2 or not config.pairs_key_blocks or max(config.head_dim, config.head_dim_v) > 96:
         return config
+    return _clustered(config)
+
+
+@functools.lru_cache(maxsize=256)
+def _clustered(config: Sm90BwdConfig) -> Sm90BwdConfig:
+    """`config` with `cluster_q`, built once per configuration (a backward asks for it twice a call)."""
     return dataclasses.replace(config, cluster_q=True)
 
 

@@ -125,6 +125,11 @@ def tile_coords(tile, num_m_blocks, num_heads, num_batch, heads_per_section, lon
     return m_block, pair % num_heads, pair // num_heads
 
 
+def multicast(mask) -> dict:
+    """The keyword arguments of a TMA `cute.copy` into the CTAs of `mask` (none for a CTA's own copy)."""
+    return {} if mask is None else {"mcast_mask": mask}
+
+
 class FlashFwdSm90(TimelineCounters):
     """The sm_90 forward kernel for one `Sm90FwdConfig` (all compile-time choices live there)."""
 
@@ -588,12 +593,8 @@ class FlashFwdSm90(TimelineCounters):
         """Wait for ring slot `state` to be free, arm its barrier and TMA key block `n_block` into it
         (with `mcast`, this CTA's part of it into the slot of every CTA of the mask)."""
         pipe.producer_acquire(state)
-        if cutlass.const_expr(mcast is None):
-            cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index],
-                      tma_bar_ptr=pipe.producer_get_barrier(state))
-        else:
-            cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index],
-                      tma_bar_ptr=pipe.producer_get_barrier(state), mcast_mask=mcast)
+        cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state),
+                  **multicast(mcast))
 
     @cute.jit
     def kv_tail(self, pipeline_k, pipeline_v, kv_state):

@@ -47,6 +47,7 @@ hd 256; within noise without causal and at hd 64.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -129,8 +130,7 @@ class Sm90FwdConfig:
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
         if self.timeline and (not self.has_lse or self.num_consumer_wgs > 3):
             raise ValueError("timeline writes its records over the LSE: it needs has_lse (and at most 3 warpgroups)")
-        if self.cluster_kv and (self.causal or self.local or self.varlen_q or self.varlen_k or self.seqused_k
-                                or self.tile_counter):
+        if self.cluster_kv and not self.pairs_query_blocks:
             raise ValueError("cluster_kv pairs query blocks that see the same keys: it takes no mask, varlen, "
                              "seqused_k or tile_counter")
         if self.tile_counter and not self.persistent:
@@ -147,6 +147,12 @@ class Sm90FwdConfig:
             raise ValueError(f"tile_n must be a multiple of 16 (the k of P·V); got {self.tile_n}")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
+
+    @property
+    def pairs_query_blocks(self) -> bool:
+        """Whether two CTAs on neighbouring query blocks walk the same key blocks (`cluster_kv`):
+        no mask, varlen or seqused_k, and no tile counter handing tiles out one by one."""
+        return not (self.causal or self.local or self.varlen_q or self.varlen_k or self.seqused_k or self.tile_counter)
 
     @property
     def num_threads(self) -> int:
@@ -244,9 +250,14 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     heads, medians): head dim 128 2 x 8192 666.4 against 646.9 TFLOP/s (SM clock 1674 against
     1633 MHz at the 700 W cap), 8 x 2048 615.2 against 606.7; 96 558.2 against 541.6; 192 716.9
     against 709.1; 64 at 1 x 16384 534.1 against 530.1."""
-    if (num_m_blocks % 2 or config.causal or config.local or config.varlen_q or config.varlen_k
-            or config.seqused_k or config.tile_n < 96):
+    if num_m_blocks % 2 or not config.pairs_query_blocks or config.tile_n < 96:
         return config
+    return _clustered(config)
+
+
+@functools.lru_cache(maxsize=256)
+def _clustered(config: Sm90FwdConfig) -> Sm90FwdConfig:
+    """`config` with `cluster_kv`, built once per configuration (a call asks for it every time)."""
     return replace(config, cluster_kv=True)
 
 
