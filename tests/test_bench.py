@@ -483,6 +483,9 @@ def test_ab_sm90_bwd_flips_only_what_the_column_split_tile_takes(head_dim):
     assert shipped.dkv_split and "dq_fence_late" in variants and "no lpt" in variants
     assert "stats_early" not in variants and "overlap_dv" not in variants  # P^T / dS^T from shared memory
     assert all(c.dkv_split and c.head_dim == head_dim for c in variants.values())
+    unmasked = dict(ab_sm90_bwd.variants(head_dim, causal=False))
+    assert unmasked["shipped"].rotate_queries and not unmasked["no rotate"].rotate_queries
+    assert variants["rotate"].rotate_queries and not shipped.rotate_queries
 
 
 def test_ab_sm90_bwd_refuses_head_dims_it_has_no_tile_for():

@@ -217,6 +217,39 @@ def test_sm90_bwd_q_clusters_pair_key_blocks_of_unmasked_calls_up_to_head_dim_12
             bc.make_config("bfloat16", 128, 128, cluster_q=True, **flags)
 
 
+def test_sm90_bwd_rotated_query_walks_for_unmasked_calls_from_head_dim_192():
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    assert bc.ROTATE_FROM_HEADDIM == 192
+    for d in (192, 256):
+        x = torch.empty(2, 1024, 4, d, dtype=torch.bfloat16)
+        main = sm90_configs(x, x, x, None, AttnArgs(0.1))[1]
+        assert main.rotate_queries and "rotate_queries" in main.name
+        assert not sm90_configs(x, x, x, None, AttnArgs(0.1, causal=True, window_right=0))[1].rotate_queries
+        assert not bc.make_config("bfloat16", d, d, local=True).rotate_queries
+    assert bc.make_config("bfloat16", 192, 128).rotate_queries  # Q's head dim sets the dQ tile
+    for d in (64, 96, 128):  # the shared start measured faster there
+        assert not bc.make_config("bfloat16", d, d).rotate_queries
+        assert not bc.make_config("bfloat16", d, d, varlen_q=True, varlen_k=True).rotate_queries
+    assert bc.make_config("bfloat16", 256, 256, varlen_q=True, varlen_k=True).rotate_queries
+    base = bc.make_config("bfloat16", 128, 128)
+    assert replace(base, rotate_queries=True).name != base.name
+
+
+@pytest.mark.parametrize("m_steps,group", [(1, 1), (7, 1), (16, 3), (5, 4)])
+def test_sm90_bwd_rotated_walk_visits_every_query_block_of_every_head_once(m_steps, group):
+    """`step_coords` with a rotation: each head's blocks from the m_rot-th on, wrapping around,
+    so a CTA still meets every (head, query block) of its group exactly once, head by head."""
+    from cute_flash.kernels.sm90.bwd import step_coords
+
+    head_k, m_block_min = 2, 3
+    for m_rot in range(m_steps):
+        walk = [step_coords(it, head_k, group, m_block_min, m_steps, m_rot) for it in range(m_steps * group)]
+        assert sorted(walk) == [(head_k * group + h, m_block_min + m) for h in range(group) for m in range(m_steps)]
+        assert [m for _, m in walk[:m_steps]] == [m_block_min + (m_rot + i) % m_steps for i in range(m_steps)]
+        assert [h for h, _ in walk] == sorted(h for h, _ in walk)
+
+
 def test_sm90_bwd_lpt_order_only_for_causal_calls():
     assert bc.make_config("bfloat16", 64, 64, causal=True).lpt
     assert not bc.make_config("bfloat16", 64, 64).lpt

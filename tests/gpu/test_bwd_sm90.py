@@ -314,6 +314,39 @@ def test_sm90_bwd_q_clusters_match_single_ctas(dtype, d, seqlen_q, seqlen_k):
     torch.testing.assert_close(dq0, dq1, atol=1e-3, rtol=2 * torch.finfo(dtype).eps)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1001), (77, 768), (2049, 300)])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_sm90_bwd_rotated_query_walks_match_walks_from_the_first_block(d, seqlen_q, seqlen_k):
+    """`rotate_queries` (shipped without a mask from head dim 192 on) only reorders each CTA's walk
+    over the query blocks: the oracle passes with it, with GQA and NaN-framed buffers (the tail
+    block comes anywhere in the walk), and dK / dV equal those of the unrotated kernel up to the
+    order of their float32 sums, dQ up to its reduce-adds' order. At 64 (with its Q/dO clusters,
+    rotated by pairs) and 128 the kernel takes it all the same."""
+    from dataclasses import replace
+
+    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+
+    backend = _backend()
+    torch.manual_seed(d + seqlen_q + seqlen_k)
+    q = randn_in_nan((2, seqlen_q, 6, d), torch.bfloat16, row_dim=1, pad_rows=3)
+    k, v = nan_framed_kv(2, seqlen_k, 2, d, d, torch.bfloat16)
+    args = _args(d)
+    pre, main, post = sm90_configs(q, k, v, None, args)
+    assert main.rotate_queries == (d >= 192), main.name
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = _transposed_dout(out.shape, q.dtype)
+    runs = []
+    for config in (replace(main, rotate_queries=True), replace(main, rotate_queries=False)):
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        backward_sm90(backend, dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
+        torch.cuda.synchronize()
+        runs.append(grads)
+    check_backward(runs[0], dout, None, q, k, v, out, lse, args)
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-2, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_sm90_bwd_q_clusters_only_where_both_ctas_walk_the_same_queries():
     """`cluster_q` needs an even number of key blocks, no mask and a head dim up to 96; other
     calls keep single CTAs (and still pass the oracle)."""

@@ -76,6 +76,15 @@ producer loads its half of every Q and dO tile by TMA multicast into the stages 
 its own LSE and D rows). A stage's empty barrier counts the consumer warps of both CTAs, and a
 producer waits for every stage to be released before it leaves (`producer_tail`).
 
+Rotated walks (`rotate_queries`: unmasked calls at head dims 192 and 256): CTA (or cluster) j of
+a (KV head, batch)'s p starts its walk at query block j * m_steps / p of its range and wraps
+around, instead of every CTA starting at the first. The CTAs of one KV head run side by side, so
+without it they all reduce-add their dQ tiles into the same query block at the same time, and at
+those head dims (a 64 x 256 fp32 tile is 64 KB) the atomics on the same lines serialise: the
+backward ran at 1980 MHz and 629 W, well below the power cap (H200, hd 256, 2 x 8192 x 8 heads:
+321 TFLOP/s; rotated 378). At 64 and 128 the shared start measured faster (its Q / dO reads meet
+in L2).
+
 Tails: a query block that reaches past seqlen_q, a key block that reaches past seqlen_k and the
 query blocks on a causal diagonal or window edge take the masked path, where P^T is set (not
 multiplied) to 0 for hidden (key, query) pairs, which makes dS^T 0 there too. The rows TMA loads
@@ -140,11 +149,12 @@ BARRIER_BOTH = BARRIER_WG + NUM_CONSUMER_WGS
 BARRIER_DQ_FULL = BARRIER_BOTH + 1
 
 
-def step_coords(it, head_k, group, m_block_min, m_steps):
+def step_coords(it, head_k, group, m_block_min, m_steps, m_rot=0):
     """(query head, query block) of step `it` of a CTA's walk, which the producer, the consumers and
     the dQ writer take in the same order: every query block of the first head of the KV head's
-    group, then of the next head."""
-    return head_k * group + it // m_steps, m_block_min + it % m_steps
+    group, then of the next head, each head's blocks from the `m_rot`-th on, wrapping around
+    (`rotate_queries`)."""
+    return head_k * group + it // m_steps, m_block_min + (it % m_steps + m_rot) % m_steps
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -479,6 +489,11 @@ class FlashBwdSm90(TimelineCounters):
         block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
         m_block_min, m_block_max = block_info.m_block_range(seqlen, n_block)
         m_steps = cutlass.max(m_block_max - m_block_min, 0)
+        m_rot = Int32(0)
+        if cutlass.const_expr(cfg.rotate_queries):
+            # CTA (cluster: both CTAs alike) j of p starts at query block j * m_steps / p of its range
+            pairs = (num_n_blocks + self.cluster_size - 1) // self.cluster_size
+            m_rot = (n_block // self.cluster_size) * m_steps // pairs
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_size, 1))
         # A CTA past the end of its (varlen) key sequence has nothing to do; all its threads leave.
@@ -489,18 +504,18 @@ class FlashBwdSm90(TimelineCounters):
                     self.load(
                         tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE,
                         tma_D, tma_mD, sQ, sdO, sK, sV, sLSE, sD, pipeline_kv, pipeline_q,
-                        seqlen, n_block, head_k, batch, group, m_block_min, m_steps, pipeline_do,
+                        seqlen, n_block, head_k, batch, group, m_block_min, m_steps, m_rot, pipeline_do,
                     )
                 if cutlass.const_expr(cfg.dq_writer):
                     if warp_idx == 1 and m_steps > 0:
-                        self.write_dq(tma_dQ, tma_mdQ, sdQ, seqlen, head_k, batch, group, m_block_min, m_steps)
+                        self.write_dq(tma_dQ, tma_mdQ, sdQ, seqlen, head_k, batch, group, m_block_min, m_steps, m_rot)
             else:
                 cute.arch.setmaxregister_increase(cfg.registers[0])
                 args = (
                     tidx - 128, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv,
                     pipeline_q,
                     tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, seqlen, n_block, head_k, batch,
-                    group, m_block_min, m_steps, left, right, softmax_scale, softmax_scale_log2,
+                    group, m_block_min, m_steps, m_rot, left, right, softmax_scale, softmax_scale_log2,
                     softcap_prescale,
                 )
                 if cutlass.const_expr(cfg.keys_n):
@@ -515,7 +530,7 @@ class FlashBwdSm90(TimelineCounters):
     def load(
         self, tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
         sQ, sdO, sK, sV, sLSE, sD, pipeline_kv, pipeline_q, seqlen: SeqlenInfo, n_block, head_k, batch, group,
-        m_block_min, m_steps, pipeline_do=None,
+        m_block_min, m_steps, m_rot, pipeline_do=None,
     ):
         cfg = self.cfg
         one_cta = cute.make_layout(1)
@@ -540,7 +555,7 @@ class FlashBwdSm90(TimelineCounters):
         if cutlass.const_expr(cfg.single_dout):
             do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.dout_stages)
         for it in cutlass.range(m_steps * group, unroll=1):
-            head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
+            head, m_block = step_coords(it, head_k, group, m_block_min, m_steps, m_rot)
             gQ = cute.local_tile(rows(tma_mQ, cfg.varlen_q, seqlen.offset_q, batch, head),
                                  (cfg.tile_m, cfg.head_dim), (m_block, 0))
             gdO = cute.local_tile(rows(tma_mdO, cfg.varlen_q, seqlen.offset_q, batch, head),
@@ -574,14 +589,14 @@ class FlashBwdSm90(TimelineCounters):
             pipeline_q.producer_tail(state)
 
     @cute.jit
-    def write_dq(self, tma_dQ, tma_mdQ, sdQ, seqlen: SeqlenInfo, head_k, batch, group, m_block_min, m_steps):
+    def write_dq(self, tma_dQ, tma_mdQ, sdQ, seqlen: SeqlenInfo, head_k, batch, group, m_block_min, m_steps, m_rot):
         """The dQ writer warp (`dq_writer`): for every query block, in the consumers' order, each
         warpgroup's dQ tile goes to dQaccum by a TMA reduce-add as soon as it is written."""
         cfg = self.cfg
         writer_and_wg = 32 + 128
         steps = m_steps * group
         for it in cutlass.range(steps, unroll=1):
-            head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
+            head, m_block = step_coords(it, head_k, group, m_block_min, m_steps, m_rot)
             buf = it % cfg.dq_stages
             for w in cutlass.range_constexpr(NUM_CONSUMER_WGS):
                 cute.arch.barrier(barrier_id=self.dq_barrier(BARRIER_DQ_FULL, w, buf), number_of_threads=writer_and_wg)
@@ -630,7 +645,7 @@ class FlashBwdSm90(TimelineCounters):
     def consume(
         self, ctidx, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv, pipeline_q,
         tiled_mma_SdP: cute.TiledMma, tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma,
-        tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, group, m_block_min, m_steps,
+        tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, group, m_block_min, m_steps, m_rot,
         left, right, softmax_scale, softmax_scale_log2, softcap_prescale,
     ):
         cfg = self.cfg
@@ -712,7 +727,7 @@ class FlashBwdSm90(TimelineCounters):
             if cutlass.const_expr(cfg.timeline):
                 phases.fill(0)
             for it in cutlass.range(m_steps * group, unroll=1):
-                head, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
+                head, m_block = step_coords(it, head_k, group, m_block_min, m_steps, m_rot)
                 m_lo = m_block * cfg.tile_m
                 stage = state.index
                 tick = self.tick(phases, -1, Int32(0))
@@ -860,7 +875,7 @@ class FlashBwdSm90(TimelineCounters):
     def consume_keys_n(
         self, ctidx, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv, pipeline_q,
         tiled_mma_SdP: cute.TiledMma, tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma,
-        tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, group, m_block_min, m_steps,
+        tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, group, m_block_min, m_steps, m_rot,
         left, right, softmax_scale, softmax_scale_log2, softcap_prescale, pipeline_do,
     ):
         """The consumer warpgroups of the `keys_n` tile (head dim 192, 96 keys per CTA): warpgroup w
@@ -928,7 +943,7 @@ class FlashBwdSm90(TimelineCounters):
                 do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.dout_stages)
             steps = m_steps * group
             for it in cutlass.range(steps, unroll=1):
-                _, m_block = step_coords(it, head_k, group, m_block_min, m_steps)
+                _, m_block = step_coords(it, head_k, group, m_block_min, m_steps, m_rot)
                 m_lo = m_block * cfg.tile_m
                 stage = state.index
                 pipeline_q.consumer_wait(state)

@@ -61,6 +61,8 @@ REGISTERS = (240, 24)
 TIMELINE_PHASES = 7
 # `Sm90BwdConfig.lpt`: CTAs per group of heads whose key blocks go longest first
 LPT_GROUP_CTAS = 256
+# `Sm90BwdConfig.rotate_queries`: unmasked calls from this head dim of Q on
+ROTATE_FROM_HEADDIM = 192
 # A TMA box must start at a 16-byte-aligned address of its innermost dimension (4 floats of the
 # LSE / D rows); the hardware stops the kernel with an illegal instruction otherwise.
 STAT_ALIGN = 4
@@ -264,6 +266,11 @@ class Sm90BwdConfig:
     # unmasked calls without varlen or seqused_k, with an even number of key blocks, on the
     # tiles of head dims 64 and 96; the kernel takes it up to 128).
     cluster_q: bool = False
+    # The CTAs of a (batch, KV head) start their walks over the query blocks at offsets spread
+    # over the range (and wrap around) instead of all at the first one, so that their dQ
+    # reduce-adds do not all land on one query block at once (make_config: no mask, head dims of
+    # Q from 192; see `bwd.py`).
+    rotate_queries: bool = False
 
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
     registers = REGISTERS
@@ -407,7 +414,7 @@ class Sm90BwdConfig:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "keys_n", "single_dout", "dq_swap", "timeline", "cluster_q") if getattr(self, f)]
+                             "keys_n", "single_dout", "dq_swap", "timeline", "cluster_q", "rotate_queries") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -469,6 +476,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     # Q's head dim 192, V's up to 192, with the dQ writer warp
     flags.setdefault("keys_n", tile.keys_n and hd == 192 and flags["dq_writer"])
     flags.setdefault("lpt", flags.get("causal", False))
+    # Q's head dim sets the width of the dQ tiles whose reduce-adds the rotation spreads out
+    flags.setdefault("rotate_queries", not masked and hd >= ROTATE_FROM_HEADDIM)
     flags.setdefault("dkv_staged", True)
     # not on the 96-key tile without a mask, where it measured 2% slower (`dq_swap`)
     swap_asked = "dq_swap" in flags
