@@ -356,6 +356,11 @@ class _CuteBackend(Backend):
             **self.tile_hints(q, args),
         )
 
+    def shape_variants(self, config) -> list:
+        """`config` and the configurations a call of its flags may take instead, depending on its
+        shape (what `warmup` compiles for a dict of `make_config` arguments)."""
+        return [config]
+
     def tile_hints(self, q, args: AttnArgs) -> dict:
         """Arguments of the kernel package's `make_config` that pick a tile from the call's shape."""
         return {}
@@ -548,6 +553,13 @@ class CuteSm90Backend(_CuteBackend):
         _, max_seqlen_q = query_sizes(q, args)
         return with_cluster_kv(config, -(-max_seqlen_q // config.tile_m))
 
+    def shape_variants(self, config) -> list:
+        """`config` and, where a call with an even number of query blocks takes it, its K/V-cluster
+        variant (`with_cluster_kv`)."""
+        from ..kernels.sm90.fwd_config import with_cluster_kv
+
+        return list(dict.fromkeys([config, with_cluster_kv(config, 2)]))
+
     def launch_extra(self, config, q, k, args: AttnArgs, a: KernelArgs) -> tuple:
         """The persistent grid's size (ignored by the one-CTA-per-tile kernels, which take it all
         the same), the tile order's section (`persistent_schedule`, `heads_per_section`) and,
@@ -657,11 +669,7 @@ def warmup(configs: Iterable, backend: Optional[str] = None, arch: Optional[str]
     arch = arch or chosen.arch()
     report = []
     for entry in configs:
-        todo = [entry]
-        if isinstance(entry, dict):
-            todo = [module.make_config(**entry)]
-            if hasattr(module, "with_cluster_kv"):
-                todo = list(dict.fromkeys(todo + [module.with_cluster_kv(todo[0], 2)]))
+        todo = chosen.shape_variants(module.make_config(**entry)) if isinstance(entry, dict) else [entry]
         for config in todo:
             start = time.perf_counter()
             _, source = chosen.cache.get(config, arch)
