@@ -228,3 +228,16 @@ def test_kv_cluster_grid_is_pairs_of_ctas():
     assert persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=133) == (132, 1)
     small = _q(1, 256, 3)  # 2 query blocks x 3 heads: 3 pairs
     assert persistent_schedule(config, small, small, AttnArgs(0.1), num_sms=132) == (6, 1)
+    # as many pairs as the GPU runs at once: a pair that waited for a free one would walk its
+    # share of the tiles after the others are done
+    assert persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132, num_clusters=60) == (120, 1)
+    assert persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132, num_clusters=80) == (132, 1)
+    assert persistent_schedule(config, small, small, AttnArgs(0.1), num_sms=132, num_clusters=2) == (4, 1)
+
+
+def test_max_active_clusters_is_none_where_the_driver_cannot_say():
+    from cute_flash.backends.cute import max_active_clusters
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU answers (tests/gpu/test_fwd_sm90.py checks it)")
+    assert max_active_clusters(0, 2, 384, 200 << 10) is None

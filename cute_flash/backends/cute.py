@@ -511,16 +511,76 @@ def heads_per_section(config, q, k, args: AttnArgs) -> int:
     return max(1, min(nheads * num_batch, PERSISTENT_L2_BYTES // kv_bytes_per_head))
 
 
-def persistent_schedule(config, q, k, args: AttnArgs, num_sms: Optional[int] = None) -> tuple:
+# An empty kernel for `max_active_clusters`: the driver JIT-compiles it in a few milliseconds.
+_EMPTY_KERNEL_PTX = b""".version 7.8
+.target sm_90
+.address_size 64
+.visible .entry cute_flash_empty() { ret; }
+\0"""
+
+
+@functools.lru_cache(maxsize=None)
+def max_active_clusters(device_index: int, cluster_size: int, threads: int, smem_bytes: int) -> Optional[int]:
+    """How many clusters of `cluster_size` CTAs, each of `threads` threads and `smem_bytes` of
+    shared memory, the GPU runs at once (`cuOccupancyMaxActiveClusters` on an empty kernel of
+    that shape: a cluster's CTAs share one GPC, so this can be less than SMs // cluster_size);
+    None where the driver cannot say."""
+    from cuda.bindings import driver
+
+    def ok(result):
+        if result[0] != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(str(result[0]))
+        return result[1] if len(result) > 1 else None
+
+    try:
+        ok(driver.cuInit(0))
+        device = ok(driver.cuDeviceGet(device_index))
+        # the device's primary context (torch's), current on this thread for the calls below
+        ok(driver.cuCtxPushCurrent(ok(driver.cuDevicePrimaryCtxRetain(device))))
+        try:
+            module = ok(driver.cuModuleLoadData(_EMPTY_KERNEL_PTX))
+            try:
+                kernel = ok(driver.cuModuleGetFunction(module, b"cute_flash_empty"))
+                ok(driver.cuFuncSetAttribute(
+                    kernel, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes))
+                config = driver.CUlaunchConfig()
+                config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
+                config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+                config.sharedMemBytes = smem_bytes
+                attr = driver.CUlaunchAttribute()
+                attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                value = driver.CUlaunchAttributeValue()
+                value.clusterDim.x, value.clusterDim.y, value.clusterDim.z = cluster_size, 1, 1
+                attr.value = value
+                config.attrs, config.numAttrs = [attr], 1
+                clusters = ok(driver.cuOccupancyMaxActiveClusters(kernel, config))
+            finally:
+                driver.cuModuleUnload(module)
+        finally:
+            driver.cuCtxPopCurrent()
+            driver.cuDevicePrimaryCtxRelease(device)
+    except (RuntimeError, ImportError, AttributeError):
+        return None
+    return int(clusters) if clusters else None
+
+
+def persistent_schedule(config, q, k, args: AttnArgs, num_sms: Optional[int] = None,
+                        num_clusters: Optional[int] = None) -> tuple:
     """(CTAs, heads per section) of a persistent sm_90 forward call: one CTA per SM, never more
     than the tiles, and `heads_per_section`. With `cluster_kv` the CTAs come in pairs (a cluster
-    takes two tiles at a time), so the grid is even."""
+    takes two tiles at a time), as many pairs as the GPU runs at once (`num_clusters`; by default
+    `max_active_clusters`, or num_sms // 2 where the driver cannot say): a pair that had to wait
+    for a free one would walk its fixed share of the tiles after the others are done."""
     num_batch, max_seqlen_q = query_sizes(q, args)
     tiles = -(-max_seqlen_q // config.tile_m) * q.shape[-2] * num_batch
     if num_sms is None:
         num_sms = _num_sms(q.device)
+        if getattr(config, "cluster_kv", False) and num_clusters is None and q.is_cuda:
+            index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+            num_clusters = max_active_clusters(index, 2, config.num_threads, config.smem_bytes)
     if getattr(config, "cluster_kv", False):
-        return 2 * max(1, min(tiles // 2, num_sms // 2)), heads_per_section(config, q, k, args)
+        pairs = min(num_sms // 2, num_clusters) if num_clusters else num_sms // 2
+        return 2 * max(1, min(tiles // 2, pairs)), heads_per_section(config, q, k, args)
     return max(1, min(tiles, num_sms)), heads_per_section(config, q, k, args)
 
 

@@ -300,6 +300,25 @@ def test_sm90_fwd_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, seqlen
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
 
 
+def test_sm90_fwd_kv_cluster_grid_is_as_many_pairs_as_the_gpu_runs_at_once():
+    """The persistent cluster grid asks the driver how many clusters of two CTAs of the kernel's
+    shape fit at once (`max_active_clusters`), at most one CTA per SM, and launches no more."""
+    from cute_flash.backends.cute import max_active_clusters, persistent_schedule
+
+    backend = _backend()
+    q = torch.empty(2, 8192, 16, 128, dtype=torch.bfloat16, device="cuda")
+    args = _args(128)
+    config = backend.config(q, q, q, None, args)
+    assert config.cluster_kv and config.persistent
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    clusters = max_active_clusters(torch.cuda.current_device(), 2, config.num_threads, config.smem_bytes)
+    assert clusters is not None and 0 < clusters <= sms // 2, clusters
+    # a CTA that takes more than half an SM's shared memory leaves no room for a second per SM
+    assert max_active_clusters(torch.cuda.current_device(), 2, 128, 1 << 10) >= clusters
+    ctas, _ = persistent_schedule(config, q, q, args)
+    assert ctas == 2 * clusters
+
+
 def test_sm90_fwd_kv_clusters_only_where_both_ctas_see_the_same_keys():
     """`cluster_kv` needs an even number of query blocks and no mask or varlen; other calls keep
     single CTAs (and still pass the oracle)."""
