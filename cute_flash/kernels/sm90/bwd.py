@@ -149,12 +149,15 @@ BARRIER_BOTH = BARRIER_WG + NUM_CONSUMER_WGS
 BARRIER_DQ_FULL = BARRIER_BOTH + 1
 
 
-def step_coords(it, head_k, group, m_block_min, m_steps, m_rot=0):
+def step_coords(it, head_k, group, m_block_min, m_steps, m_rot=None):
     """(query head, query block) of step `it` of a CTA's walk, which the producer, the consumers and
     the dQ writer take in the same order: every query block of the first head of the KV head's
-    group, then of the next head, each head's blocks from the `m_rot`-th on, wrapping around
-    (`rotate_queries`)."""
-    return head_k * group + it // m_steps, m_block_min + (it % m_steps + m_rot) % m_steps
+    group, then of the next head; with `m_rot` (`rotate_queries`) each head's blocks from the
+    `m_rot`-th on, wrapping around."""
+    head = head_k * group + it // m_steps
+    if m_rot is None:
+        return head, m_block_min + it % m_steps
+    return head, m_block_min + (it % m_steps + m_rot) % m_steps
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -489,7 +492,7 @@ class FlashBwdSm90(TimelineCounters):
         block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
         m_block_min, m_block_max = block_info.m_block_range(seqlen, n_block)
         m_steps = cutlass.max(m_block_max - m_block_min, 0)
-        m_rot = Int32(0)
+        m_rot = None  # every walk from the first query block
         if cutlass.const_expr(cfg.rotate_queries):
             # CTA (cluster: both CTAs alike) j of p starts at query block j * m_steps / p of its range
             pairs = (num_n_blocks + self.cluster_size - 1) // self.cluster_size
