@@ -573,13 +573,14 @@ def persistent_schedule(config, q, k, args: AttnArgs, num_sms: Optional[int] = N
     for a free one would walk its fixed share of the tiles after the others are done."""
     num_batch, max_seqlen_q = query_sizes(q, args)
     tiles = -(-max_seqlen_q // config.tile_m) * q.shape[-2] * num_batch
+    clustered = getattr(config, "cluster_kv", False)
     if num_sms is None:
         num_sms = _num_sms(q.device)
-        if getattr(config, "cluster_kv", False) and num_clusters is None and q.is_cuda:
+        if clustered and num_clusters is None and q.is_cuda:
             index = q.device.index if q.device.index is not None else torch.cuda.current_device()
             num_clusters = max_active_clusters(index, 2, config.num_threads, config.smem_bytes)
-    if getattr(config, "cluster_kv", False):
-        pairs = min(num_sms // 2, num_clusters) if num_clusters else num_sms // 2
+    if clustered:
+        pairs = min(num_sms // 2, num_clusters or num_sms // 2)
         return 2 * max(1, min(tiles // 2, pairs)), heads_per_section(config, q, k, args)
     return max(1, min(tiles, num_sms)), heads_per_section(config, q, k, args)
 
