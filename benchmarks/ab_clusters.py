@@ -31,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_lib import interleaved_rounds  # noqa: E402
+
 HIDDEN = 2048
 
 
@@ -94,17 +96,6 @@ def clock_and_power(fn, seconds: float = 2.0) -> str:
     return f"{sum(clocks[k:]) / len(clocks[k:]):.0f} MHz, {sum(watts[k:]) / len(watts[k:]):.0f} W"
 
 
-def time_rounds(runs: dict, rounds: int) -> dict:
-    from triton.testing import do_bench
-
-    times = {label: [] for label in runs}
-    order = list(runs)
-    for r in range(rounds):
-        for label in order if r % 2 == 0 else order[::-1]:
-            times[label].append(do_bench(runs[label], warmup=25, rep=100, return_mode="median"))
-    return times
-
-
 def report(title: str, times: dict, runs: dict, work: float, unit: str) -> None:
     import statistics
 
@@ -151,7 +142,7 @@ def forward_case(d: int, s: int, b: int, rounds: int) -> None:
     except ImportError:
         pass
     title = f"forward hd{d} {b} x {s} x {h} heads ({shipped.name}; O and LSE bitwise equal: {same})"
-    report(title, time_rounds(runs, rounds), runs, 4 * b * h * s * s * d, "TFLOP/s")
+    report(title, interleaved_rounds(runs, rounds), runs, 4 * b * h * s * s * d, "TFLOP/s")
 
 
 def backward_case(d: int, s: int, b: int, rounds: int) -> None:
@@ -166,7 +157,7 @@ def backward_case(d: int, s: int, b: int, rounds: int) -> None:
     runs = {label: (lambda config=config: run_backward(config, dout, q, k, v, out, lse, grads, args))
             for label, config in (("cluster", on), ("single", replace(on, cluster_q=False)))}
     title = f"backward hd{d} {b} x {s} x {h} heads ({on.name}; shipped: {'cluster' if main.cluster_q else 'single'})"
-    report(title, time_rounds(runs, rounds), runs, 2.5 * 4 * b * h * s * s * d, "TFLOP/s")
+    report(title, interleaved_rounds(runs, rounds), runs, 2.5 * 4 * b * h * s * s * d, "TFLOP/s")
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,8 @@ call's configurations, its main kernel swapped). A variant is first checked agai
 reference backward (dq, dk and dv by the benchmark's tolerance rule) on 2 x 333 queries over 1001
 keys (causal: 1001 over 333, so that rows see no key) with 4 heads; a wrong variant is reported
 and not timed. Then each round times every variant once with `triton.testing.do_bench` (median of
-80 ms), so that slow drifts of the GPU's clock spread over all of them. One line per case: the
+80 ms), the order reversed every other round, so that slow drifts of the GPU's clock spread over
+all of them. One line per case: the
 milliseconds of each variant in every round and the backward's TFLOP/s (2.5 times the forward's
 4·b·h·s²·d, halved when causal) at the shipped variant's best round.
 
@@ -198,8 +199,8 @@ def run_backward(config, dout, q, k, v, out, lse, grads, args) -> None:
 
 def on_gpu(cases, opts) -> None:
     import torch
-    from triton.testing import do_bench
 
+    from bench_lib import interleaved_rounds
     from cute_flash.backends.base import AttnArgs
 
     dtype = torch.bfloat16
@@ -227,10 +228,8 @@ def on_gpu(cases, opts) -> None:
                 cells[label] = f"WRONG ({wrong})"
             else:
                 runs[label] = run
-        times = {label: [] for label in runs}
-        for _ in range(opts.rounds):
-            for label, run in runs.items():
-                times[label].append(do_bench(lambda: run(dout, q, k, v, out, lse, grads, attn_args()), rep=80))
+        times = interleaved_rounds({label: (lambda run=run: run(dout, q, k, v, out, lse, grads, attn_args()))
+                                    for label, run in runs.items()}, opts.rounds, rep_ms=80)
         for label, ms in times.items():
             cells[label] = "/".join(f"{t:.3f}" for t in ms)
         line = " | ".join(f"{label} {cell}" for label, cell in cells.items())

@@ -96,9 +96,9 @@ def format_summary(s: Summary) -> str:
 
 def on_gpu(opts) -> None:
     import torch
-    from triton.testing import do_bench
 
     from ab_sm90_bwd import problem, run_backward
+    from bench_lib import interleaved_rounds
     from cute_flash.kernels.sm90.bwd_config import make_config
 
     b, s = opts.batch, opts.seqlen
@@ -111,10 +111,9 @@ def on_gpu(opts) -> None:
                 raise SystemExit(f"head dim {d}: the 96-key tile (keys_n) has no profiling build; "
                                  "--set keys_n=0,single_dout=0 profiles the 64-key tile instead")
             profiled = replace(shipped, timeline=True)
-            times = {"shipped": [], "profiling": []}
-            for _ in range(opts.rounds):
-                times["shipped"].append(do_bench(lambda: run_backward(shipped, *tensors, grads, args), rep=80))
-                times["profiling"].append(do_bench(lambda: run_backward(profiled, *tensors, grads, args), rep=80))
+            times = interleaved_rounds({"shipped": lambda: run_backward(shipped, *tensors, grads, args),
+                                        "profiling": lambda: run_backward(profiled, *tensors, grads, args)},
+                                       opts.rounds, rep_ms=80)
             run_backward(profiled, *tensors, grads, args)
             torch.cuda.synchronize()
             rows = grads[1].view(torch.int32)[:, ::profiled.tile_n, :, :RECORD_INTS]

@@ -605,3 +605,27 @@ def test_ab_clusters_parses_cases_and_compiles_each_variant(capsys):
     for label in ("fwd hd128 cluster", "fwd hd128 single", "bwd hd64 cluster", "bwd hd64 single"):
         assert label in out
     assert "SPILLS" not in out
+
+
+def test_interleaved_rounds_reverse_the_order_every_other_round(monkeypatch):
+    import types
+
+    calls = []
+
+    def do_bench(fn, warmup, rep, return_mode):
+        assert (warmup, rep, return_mode) == (25, 80, "median")
+        return fn()
+
+    testing = types.ModuleType("triton.testing")
+    testing.do_bench = do_bench
+    package = types.ModuleType("triton")
+    package.testing = testing
+    monkeypatch.setitem(sys.modules, "triton", package)
+    monkeypatch.setitem(sys.modules, "triton.testing", testing)
+
+    def run(label, ms):
+        return lambda: calls.append(label) or ms
+
+    times = bl.interleaved_rounds({"a": run("a", 1.0), "b": run("b", 2.0), "c": run("c", 3.0)}, 3, rep_ms=80)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert times == {"a": [1.0] * 3, "b": [2.0] * 3, "c": [3.0] * 3}
