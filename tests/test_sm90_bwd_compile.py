@@ -238,14 +238,19 @@ def test_sm90_bwd_rotated_query_walks_for_unmasked_calls_from_head_dim_192():
 
 @pytest.mark.parametrize("m_steps,group", [(1, 1), (7, 1), (16, 3), (5, 4)])
 def test_sm90_bwd_rotated_walk_visits_every_query_block_of_every_head_once(m_steps, group):
-    """`step_coords` with a rotation: each head's blocks from the m_rot-th on, wrapping around,
-    so a CTA still meets every (head, query block) of its group exactly once, head by head."""
-    from cute_flash.kernels.sm90.bwd import step_coords
+    """`QueryWalk` with a rotation: each head's blocks from the m_rot-th on, wrapping around,
+    so a CTA still meets every (head, query block) of its group exactly once, head by head; without
+    one, in order from the first block."""
+    from cute_flash.kernels.sm90.bwd import QueryWalk
 
     head_k, m_block_min = 2, 3
+    everything = [(head_k * group + h, m_block_min + m) for h in range(group) for m in range(m_steps)]
+    plain = QueryWalk(head_k, group, m_block_min, m_steps)
+    assert [plain.coords(it) for it in range(plain.steps)] == everything
     for m_rot in range(m_steps):
-        walk = [step_coords(it, head_k, group, m_block_min, m_steps, m_rot) for it in range(m_steps * group)]
-        assert sorted(walk) == [(head_k * group + h, m_block_min + m) for h in range(group) for m in range(m_steps)]
+        rotated = QueryWalk(head_k, group, m_block_min, m_steps, m_rot)
+        walk = [rotated.coords(it) for it in range(rotated.steps)]
+        assert sorted(walk) == everything
         assert [m for _, m in walk[:m_steps]] == [m_block_min + (m_rot + i) % m_steps for i in range(m_steps)]
         assert [h for h, _ in walk] == sorted(h for h, _ in walk)
 

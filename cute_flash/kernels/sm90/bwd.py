@@ -97,6 +97,7 @@ dK/dV rows past seqlen_k are not written. Key blocks no query block sees write d
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
@@ -149,15 +150,29 @@ BARRIER_BOTH = BARRIER_WG + NUM_CONSUMER_WGS
 BARRIER_DQ_FULL = BARRIER_BOTH + 1
 
 
-def step_coords(it, head_k, group, m_block_min, m_steps, m_rot=None):
-    """(query head, query block) of step `it` of a CTA's walk, which the producer, the consumers and
-    the dQ writer take in the same order: every query block of the first head of the KV head's
-    group, then of the next head; with `m_rot` (`rotate_queries`) each head's blocks from the
-    `m_rot`-th on, wrapping around."""
-    head = head_k * group + it // m_steps
-    if m_rot is None:
-        return head, m_block_min + it % m_steps
-    return head, m_block_min + (it % m_steps + m_rot) % m_steps
+@dataclass(frozen=True)
+class QueryWalk:
+    """The steps of a CTA's walk over (query head, query block), which the producer, the consumers
+    and the dQ writer take in the same order: query blocks [m_block_min, m_block_min + m_steps) of
+    the first query head of the KV head's group, then of the next head; with `m_rot`
+    (`rotate_queries`) each head's blocks from the `m_rot`-th on, wrapping around."""
+
+    head_k: Int32  # the CTA's KV head
+    group: Int32  # query heads per KV head
+    m_block_min: Int32
+    m_steps: Int32  # query blocks per head
+    m_rot: Optional[Int32] = None  # None: every head's walk from its first block
+
+    @property
+    def steps(self):
+        return self.m_steps * self.group
+
+    def coords(self, it):
+        """(query head, query block) of step `it`."""
+        head = self.head_k * self.group + it // self.m_steps
+        if self.m_rot is None:
+            return head, self.m_block_min + it % self.m_steps
+        return head, self.m_block_min + (it % self.m_steps + self.m_rot) % self.m_steps
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -497,6 +512,7 @@ class FlashBwdSm90(TimelineCounters):
             # CTA (cluster: both CTAs alike) j of p starts at query block j * m_steps / p of its range
             pairs = (num_n_blocks + self.cluster_size - 1) // self.cluster_size
             m_rot = (n_block // self.cluster_size) * m_steps // pairs
+        walk = QueryWalk(head_k, group, m_block_min, m_steps, m_rot)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_size, 1))
         # A CTA past the end of its (varlen) key sequence has nothing to do; all its threads leave.
@@ -507,18 +523,18 @@ class FlashBwdSm90(TimelineCounters):
                     self.load(
                         tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE,
                         tma_D, tma_mD, sQ, sdO, sK, sV, sLSE, sD, pipeline_kv, pipeline_q,
-                        seqlen, n_block, head_k, batch, group, m_block_min, m_steps, m_rot, pipeline_do,
+                        seqlen, n_block, head_k, batch, walk, pipeline_do,
                     )
                 if cutlass.const_expr(cfg.dq_writer):
                     if warp_idx == 1 and m_steps > 0:
-                        self.write_dq(tma_dQ, tma_mdQ, sdQ, seqlen, head_k, batch, group, m_block_min, m_steps, m_rot)
+                        self.write_dq(tma_dQ, tma_mdQ, sdQ, seqlen, batch, walk)
             else:
                 cute.arch.setmaxregister_increase(cfg.registers[0])
                 args = (
                     tidx - 128, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv,
                     pipeline_q,
                     tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, seqlen, n_block, head_k, batch,
-                    group, m_block_min, m_steps, m_rot, left, right, softmax_scale, softmax_scale_log2,
+                    walk, left, right, softmax_scale, softmax_scale_log2,
                     softcap_prescale,
                 )
                 if cutlass.const_expr(cfg.keys_n):
@@ -532,8 +548,8 @@ class FlashBwdSm90(TimelineCounters):
     @cute.jit
     def load(
         self, tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
-        sQ, sdO, sK, sV, sLSE, sD, pipeline_kv, pipeline_q, seqlen: SeqlenInfo, n_block, head_k, batch, group,
-        m_block_min, m_steps, m_rot, pipeline_do=None,
+        sQ, sdO, sK, sV, sLSE, sD, pipeline_kv, pipeline_q, seqlen: SeqlenInfo, n_block, head_k, batch,
+        walk: QueryWalk, pipeline_do=None,
     ):
         cfg = self.cfg
         one_cta = cute.make_layout(1)
@@ -557,8 +573,8 @@ class FlashBwdSm90(TimelineCounters):
         do_state = None
         if cutlass.const_expr(cfg.single_dout):
             do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.dout_stages)
-        for it in cutlass.range(m_steps * group, unroll=1):
-            head, m_block = step_coords(it, head_k, group, m_block_min, m_steps, m_rot)
+        for it in cutlass.range(walk.steps, unroll=1):
+            head, m_block = walk.coords(it)
             gQ = cute.local_tile(rows(tma_mQ, cfg.varlen_q, seqlen.offset_q, batch, head),
                                  (cfg.tile_m, cfg.head_dim), (m_block, 0))
             gdO = cute.local_tile(rows(tma_mdO, cfg.varlen_q, seqlen.offset_q, batch, head),
@@ -592,14 +608,14 @@ class FlashBwdSm90(TimelineCounters):
             pipeline_q.producer_tail(state)
 
     @cute.jit
-    def write_dq(self, tma_dQ, tma_mdQ, sdQ, seqlen: SeqlenInfo, head_k, batch, group, m_block_min, m_steps, m_rot):
+    def write_dq(self, tma_dQ, tma_mdQ, sdQ, seqlen: SeqlenInfo, batch, walk: QueryWalk):
         """The dQ writer warp (`dq_writer`): for every query block, in the consumers' order, each
         warpgroup's dQ tile goes to dQaccum by a TMA reduce-add as soon as it is written."""
         cfg = self.cfg
         writer_and_wg = 32 + 128
-        steps = m_steps * group
+        steps = walk.steps
         for it in cutlass.range(steps, unroll=1):
-            head, m_block = step_coords(it, head_k, group, m_block_min, m_steps, m_rot)
+            head, m_block = walk.coords(it)
             buf = it % cfg.dq_stages
             for w in cutlass.range_constexpr(NUM_CONSUMER_WGS):
                 cute.arch.barrier(barrier_id=self.dq_barrier(BARRIER_DQ_FULL, w, buf), number_of_threads=writer_and_wg)
@@ -648,7 +664,7 @@ class FlashBwdSm90(TimelineCounters):
     def consume(
         self, ctidx, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv, pipeline_q,
         tiled_mma_SdP: cute.TiledMma, tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma,
-        tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, group, m_block_min, m_steps, m_rot,
+        tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, walk: QueryWalk,
         left, right, softmax_scale, softmax_scale_log2, softcap_prescale,
     ):
         cfg = self.cfg
@@ -713,7 +729,7 @@ class FlashBwdSm90(TimelineCounters):
         stamps = cute.make_rmem_tensor((6,), Int32)
         phases = cute.make_rmem_tensor((TIMELINE_PHASES + 1,), Int32)
         self.stamp(stamps, 0)
-        if m_steps > 0:
+        if walk.m_steps > 0:
             pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
             self.stamp(stamps, 1)
             rows_k = seqlen.seqlen_k - n_block * cfg.tile_n
@@ -729,8 +745,8 @@ class FlashBwdSm90(TimelineCounters):
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             if cutlass.const_expr(cfg.timeline):
                 phases.fill(0)
-            for it in cutlass.range(m_steps * group, unroll=1):
-                head, m_block = step_coords(it, head_k, group, m_block_min, m_steps, m_rot)
+            for it in cutlass.range(walk.steps, unroll=1):
+                head, m_block = walk.coords(it)
                 m_lo = m_block * cfg.tile_m
                 stage = state.index
                 tick = self.tick(phases, -1, Int32(0))
@@ -848,10 +864,10 @@ class FlashBwdSm90(TimelineCounters):
                     phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
             self.stamp(stamps, 4)
             if cutlass.const_expr(cfg.timeline):
-                if m_steps * group <= 2:  # no third step: its stamp is the end of the walk
+                if walk.steps <= 2:  # no third step: its stamp is the end of the walk
                     stamps[3] = stamps[4]
             if cutlass.const_expr(cfg.dq_fence_late):
-                self.hand_over_dq(wg_idx, (m_steps * group - 1) % cfg.dq_stages)  # the last block's dQ tile
+                self.hand_over_dq(wg_idx, (walk.steps - 1) % cfg.dq_stages)  # the last block's dQ tile
             if cutlass.const_expr(cfg.dk_after_dq):
                 warpgroup.wait_group(0)  # the last block's dK
                 pipeline_q.consumer_release(release_state)
@@ -869,7 +885,7 @@ class FlashBwdSm90(TimelineCounters):
                 self.store_rows(acc_dK, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
                 self.store_rows(acc_dV, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
             if cutlass.const_expr(cfg.timeline):
-                self.write_timeline(stamps, phases, mdK, seqlen, batch, head_k, n_block, m_steps * group, ctidx, wg_idx)
+                self.write_timeline(stamps, phases, mdK, seqlen, batch, head_k, n_block, walk.steps, ctidx, wg_idx)
         else:  # no query block sees these keys
             self.store_rows(None, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
             self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
@@ -878,7 +894,7 @@ class FlashBwdSm90(TimelineCounters):
     def consume_keys_n(
         self, ctidx, tma_dQ, tma_mdQ, mdK, mdV, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, pipeline_kv, pipeline_q,
         tiled_mma_SdP: cute.TiledMma, tiled_mma_dK: cute.TiledMma, tiled_mma_dV: cute.TiledMma,
-        tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, group, m_block_min, m_steps, m_rot,
+        tiled_mma_dQ: cute.TiledMma, seqlen: SeqlenInfo, n_block, head_k, batch, walk: QueryWalk,
         left, right, softmax_scale, softmax_scale_log2, softcap_prescale, pipeline_do,
     ):
         """The consumer warpgroups of the `keys_n` tile (head dim 192, 96 keys per CTA): warpgroup w
@@ -931,7 +947,7 @@ class FlashBwdSm90(TimelineCounters):
         acc_dV = cute.make_rmem_tensor(thr_mma_dV.partition_shape_C((cfg.head_dim_v, cfg.tile_n)), Float32)
         rows_k = seqlen.seqlen_k - n_block * cfg.tile_n
 
-        if m_steps > 0:
+        if walk.m_steps > 0:
             pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
             if cutlass.const_expr(cfg.seqused_k or cfg.varlen_k):
                 if rows_k < cfg.tile_n:
@@ -944,9 +960,9 @@ class FlashBwdSm90(TimelineCounters):
             do_state = None
             if cutlass.const_expr(cfg.single_dout):
                 do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.dout_stages)
-            steps = m_steps * group
+            steps = walk.steps
             for it in cutlass.range(steps, unroll=1):
-                _, m_block = step_coords(it, head_k, group, m_block_min, m_steps, m_rot)
+                _, m_block = walk.coords(it)
                 m_lo = m_block * cfg.tile_m
                 stage = state.index
                 pipeline_q.consumer_wait(state)
