@@ -596,15 +596,13 @@ class FlashFwdSm90(TimelineCounters):
         cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state),
                   **multicast(mcast))
 
-    @cute.jit
-    def kv_tail(self, pipeline_k, pipeline_v, kv_state):
+    @staticmethod
+    def kv_tail(pipeline_k, pipeline_v, kv_state):
         """`cluster_kv`: before the producer leaves, every K/V slot is released by the consumers of
         both CTAs, so that no arrive of the other CTA reaches this one's barriers after it exits
         (and the other CTA has read all this one loaded into it). `kv_state`: the next slot."""
-        for _ in cutlass.range_constexpr(self.cfg.num_stages):
-            pipeline_k.sync_object_empty.wait(kv_state.index, kv_state.phase)
-            pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
-            kv_state.advance()
+        pipeline_k.producer_tail(kv_state.clone())
+        pipeline_v.producer_tail(kv_state)
 
     @staticmethod
     def rows(tma_mX: cute.Tensor, varlen: cutlass.Constexpr[bool], offset, batch, head) -> cute.Tensor:
