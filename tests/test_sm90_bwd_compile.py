@@ -165,7 +165,7 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 31  # each one is compiled and audited
+    assert len(configs) <= 35  # each one is compiled and audited
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -358,12 +358,27 @@ def test_sm90_bwd_call_with_dlse_and_varlen_selects_matching_pre_and_post():
     assert (post.head_dim, post.check_hdim, post.varlen_q) == (128, True, True)
 
 
-def test_sm90_bwd_refuses_deterministic_mode_by_name():
+@pytest.mark.parametrize("d", bc.TILE_HEADDIMS)
+def test_sm90_bwd_deterministic_calls_keep_their_tile_without_cluster_or_rotation(d):
+    """deterministic=True: the call's tile with ordered dQ reduce-adds, issued by the writer warp,
+    on walks that all start at the first query block (no Q/dO cluster, no rotation)."""
     from cute_flash.backends.cute_bwd import sm90_configs
 
-    q = torch.empty(1, 8, 1, 64, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        sm90_configs(q, q, q, None, AttnArgs(0.1), deterministic=True)
+    q = torch.empty(2, 8192, 2, d, dtype=torch.bfloat16)
+    plain = sm90_configs(q, q, q, None, AttnArgs(0.1))[1]
+    main = sm90_configs(q, q, q, None, AttnArgs(0.1), deterministic=True)[1]
+    assert main.deterministic and main.dq_writer and not main.cluster_q and not main.rotate_queries
+    assert "deterministic" in main.name
+    assert replace(plain, cluster_q=False, rotate_queries=False, deterministic=True) == main
+    assert bc.with_cluster_q(main, 64) is main
+
+
+@pytest.mark.parametrize("flag", ["cluster_q", "rotate_queries", "dq_writer"])
+def test_sm90_bwd_deterministic_refuses_what_could_wait_on_itself(flag):
+    base = bc.make_config("bfloat16", 64 if flag == "cluster_q" else 256, 64 if flag == "cluster_q" else 256,
+                          deterministic=True)
+    with pytest.raises(ValueError, match="deterministic"):
+        replace(base, **{flag: flag != "dq_writer"})
 
 
 def test_sm90_bwd_row_statistics_have_16_byte_row_pitch_for_tma():
@@ -403,7 +418,7 @@ def test_sm90_native_backward_is_the_default_and_takes_only_what_its_kernel_does
     q = _q()
     assert backend.native_backward_takes(q, q, q, AttnArgs(0.1), False)
     assert backend.native_backward_takes(q, q, q, AttnArgs(0.1, causal=True, window_right=0), False)
-    assert not backend.native_backward_takes(q, q, q, AttnArgs(0.1), True)  # deterministic
+    assert backend.native_backward_takes(q, q, q, AttnArgs(0.1), True)  # deterministic
     assert backend.native_backward_takes(_q(256), _q(256), _q(256), AttnArgs(0.1), False)
     assert backend.native_backward_takes(_q(192), _q(192), _q(192), AttnArgs(0.1), False)
     assert not backend.native_backward_takes(_q(320), _q(320), _q(320), AttnArgs(0.1), False)

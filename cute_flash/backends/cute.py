@@ -662,8 +662,8 @@ class CuteSm90Backend(_CuteBackend):
         return super().fwd(q, k, v, out, lse, args, workspace)
 
     # The sm_90 backward kernel (kernels/sm90/bwd.py: TMA, WGMMA, warp-specialized) for the calls
-    # it takes (`native_backward_takes`: head dims up to 256, equal for Q and V, not
-    # deterministic), the sm_80 kernels for the others. With its dQ partials added by TMA
+    # it takes (`native_backward_takes`: head dims up to 256, equal for Q and V or a column-split
+    # pair, deterministic or not), the sm_80 kernels for the others. With its dQ partials added by TMA
     # reduce-adds it is the faster of the two on an H200 (b2 x 4096 x 16 heads, hd128, bf16:
     # 1.40 vs 4.17 ms, causal 0.86 vs 2.24 ms, with the dQ column split and the writer warp).
     # Set False on an instance to run every backward on the sm_80 kernels.

@@ -16,7 +16,8 @@ through a turn counter per (batch, head, query block), so dQ is the same on ever
 WGMMA, warp-specialized) between the same preprocess and postprocess kernels. Its kernel loads
 the LSE and D rows by TMA, whose global strides must be multiples of 16 bytes, so their buffers
 here have a row pitch padded to 4 floats (a box must also start 16-byte aligned: the kernel
-starts a varlen sequence's up to 3 rows early). It has no deterministic mode yet.
+starts a varlen sequence's up to 3 rows early). With `deterministic=True` its dQ writer warp
+takes the same turns, one counter per (batch, head, query block).
 """
 
 from __future__ import annotations
@@ -62,14 +63,12 @@ def configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple
 def sm90_configs(q, k, v, dlse, args: AttnArgs, deterministic: bool = False) -> tuple:
     """(preprocess, main, postprocess) configurations of `backward_sm90` for a validated call;
     NotImplementedError, saying why, for a call its main kernel does not take."""
-    if deterministic:
-        raise NotImplementedError("deterministic=True: the sm_90 backward kernel has no ordered dQ accumulation")
     if args.page_table is not None:
         raise NotImplementedError("backward with a paged KV cache (page_table) is not implemented")
     from ..kernels.sm90.bwd_config import with_cluster_q
 
     pre, main, post = _configs("sm90", _DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], dlse is not None,
-                               tuple(kernel_flags(args).items()), False)
+                               tuple(kernel_flags(args).items()), deterministic)
     # `cluster_q` where the call's key blocks pair up (unmasked calls without varlen: k is (b, s, h, d))
     return pre, with_cluster_q(main, -(-k.shape[1] // main.tile_n) if k.dim() == 4 else 1), post
 
@@ -85,7 +84,7 @@ def _configs(arch: str, dtype: str, head_dim: int, head_dim_v: int, has_dlse: bo
 
     flags = dict(flags)
     if arch == "sm90":
-        main = sm90_bwd_config.make_config(dtype, head_dim, head_dim_v, **flags)
+        main = sm90_bwd_config.make_config(dtype, head_dim, head_dim_v, deterministic=deterministic, **flags)
     else:
         main = bwd_config.make_config(dtype, head_dim, head_dim_v, smem_limit=smem_limit, deterministic=deterministic,
                                       **flags)
@@ -234,6 +233,9 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
     lse_log2 = _tma_row_stats(lse)
     delta = _tma_row_stats(lse)
     dq_accum = torch.empty(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)  # cleared by `pre`
+    # deterministic: one turn counter per (batch, head, query block)
+    dq_sem = (torch.zeros(num_batch, q.shape[-2], -(-max_seqlen_q // main.tile_m), dtype=torch.int32, device=q.device)
+              if main.deterministic else None)
 
     fn_main, _ = sm90_kernel_cache().get(main, backend.arch(q.device))
     scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)
@@ -244,7 +246,7 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
             m.tensor(q, 16), m.tensor(k, 16), m.tensor(v, 16), m.tensor(dout, 16), m.tensor(lse_log2, 16),
             m.tensor(delta, 16), m.tensor(dq_accum, 16), m.tensor(dk, 16), m.tensor(dv, 16),
             m.tensor(args.cu_seqlens_q, 4), m.tensor(args.cu_seqlens_k, 4), m.tensor(args.seqused_k, 4),
-            m.i32(num_batch), m.i32(max_seqlen_k), m.f32(args.softmax_scale), m.f32(scale_log2),
+            m.tensor(dq_sem, 4), m.i32(num_batch), m.i32(max_seqlen_k), m.f32(args.softmax_scale), m.f32(scale_log2),
             m.f32(softcap_prescale), m.i32(args.window_left), m.i32(args.window_right), *m.stream(),
         )
 

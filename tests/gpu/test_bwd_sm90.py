@@ -49,14 +49,14 @@ def _transposed_dout(shape, dtype):
     return torch.randn(h, t, d, dtype=dtype, device="cuda").transpose(0, 1)
 
 
-def _run(q, k, v, out, lse, dout, dlse, args: AttnArgs):
+def _run(q, k, v, out, lse, dout, dlse, args: AttnArgs, deterministic=False):
     """(dq, dk, dv) of the sm_90 kernel, poisoned with NaN before the call."""
     backend = _backend()
-    assert backend.native_backward_takes(q, k, v, args, False), "the sm_90 backward kernel refuses this call"
+    assert backend.native_backward_takes(q, k, v, args, deterministic), "the sm_90 backward kernel refuses this call"
     dq = torch.full_like(q, float("nan"))
     dk = torch.full(k.shape, float("nan"), dtype=k.dtype, device="cuda")
     dv = torch.full(v.shape, float("nan"), dtype=v.dtype, device="cuda")
-    backend.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, args, False)
+    backend.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, args, deterministic)
     torch.cuda.synchronize()
     return dq, dk, dv
 
@@ -416,3 +416,65 @@ def test_sm90_bwd_profiling_build_writes_sane_records_and_the_same_gradients(cau
             for wg in range(2):
                 phases = [x % (1 << 32) for x in r[8 + 8 * wg: 15 + 8 * wg]]
                 assert r[15 + 8 * wg] == expected and sum(phases) > 0
+
+
+DETERMINISTIC_CASES = {
+    # (batch, seqlen_q, seqlen_k, heads, KV heads, head dim, head dim of V, mask / features)
+    "plain_hd64": (2, 1000, 1500, 4, 4, 64, 64, {}),
+    "causal_hd64_gqa": (2, 700, 1500, 8, 2, 64, 64, dict(causal=True, window_right=0)),
+    "plain_hd96": (2, 900, 1300, 3, 3, 96, 96, {}),
+    "plain_hd128": (2, 1000, 1000, 4, 4, 128, 128, {}),
+    "causal_hd128_gqa": (2, 700, 1500, 8, 2, 128, 128, dict(causal=True, window_right=0)),
+    "local_hd128_softcap": (2, 900, 1300, 4, 1, 128, 128, dict(window_left=300, window_right=30, softcap=20.0)),
+    "plain_hd192": (2, 600, 1100, 4, 2, 192, 192, {}),
+    "causal_hd192x128": (2, 600, 1100, 4, 4, 192, 128, dict(causal=True, window_right=0)),
+    "plain_hd256": (2, 500, 900, 4, 2, 256, 256, {}),
+    # more CTAs than the GPU holds at once: a CTA waits for key blocks that may not run yet
+    "many_ctas_hd128": (2, 2048, 2048, 16, 16, 128, 128, {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DETERMINISTIC_CASES))
+def test_sm90_bwd_deterministic_is_the_oracle_and_the_same_every_run(case):
+    """deterministic=True on the sm_90 kernel: the key blocks add into each query block's dQ in
+    order, so ten runs give the same bits (the default's reduce-adds need not), and the first is
+    the oracle's."""
+    b, sq, sk, h, hk, d, dv, extra = DETERMINISTIC_CASES[case]
+    torch.manual_seed(43)
+    q = torch.randn(b, sq, h, d, dtype=torch.bfloat16, device="cuda")
+    k, v = nan_framed_kv(b, sk, hk, d, dv, torch.bfloat16)
+    args = _args(d, **extra)
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    assert sm90_configs(q, k, v, None, args, True)[1].deterministic
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = torch.randn_like(out)
+    first = _run(q, k, v, out, lse, dout, None, args, deterministic=True)
+    check_backward(first, dout, None, q, k, v, out, lse, args)
+    for _ in range(9):
+        again = _run(q, k, v, out, lse, dout, None, args, deterministic=True)
+        assert all(torch.equal(a, c) for a, c in zip(first, again)), "deterministic backward differs between runs"
+
+
+def test_sm90_bwd_deterministic_varlen_with_seqused_k():
+    """Varlen sequences with seqused_k: each sequence's query blocks have turn counters of their
+    own, and key blocks past seqused_k (which add nothing) are not waited for."""
+    torch.manual_seed(44)
+    d, h = 128, 4
+    lens_q, lens_k, used = [300, 1, 777, 129], [513, 640, 900, 64], [400, 1, 900, 20]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), h, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(sum(lens_k), h, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(sum(lens_k), h, d, dtype=torch.bfloat16, device="cuda")
+    args = _args(d, causal=True, window_right=0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                 max_seqlen_k=max(lens_k), seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"))
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = torch.randn_like(out)
+    first = _run(q, k, v, out, lse, dout, None, args, deterministic=True)
+    check_backward(first, dout, None, q, k, v, out, lse, args)
+    for _ in range(4):
+        again = _run(q, k, v, out, lse, dout, None, args, deterministic=True)
+        assert all(torch.equal(a, c) for a, c in zip(first, again)), "deterministic backward differs between runs"

@@ -76,6 +76,15 @@ producer loads its half of every Q and dO tile by TMA multicast into the stages 
 its own LSE and D rows). A stage's empty barrier counts the consumer warps of both CTAs, and a
 producer waits for every stage to be released before it leaves (`producer_tail`).
 
+Ordered dQ (`deterministic`): the reduce-adds of the key blocks that see a query block land in
+key-block order, so the fp32 sums, and dQ, are the same bits on every run. A turn counter per
+(batch, query head, query block) in global memory (zeroed by the host) counts the key blocks
+that have added; the dQ writer warp of key block n waits (acquire) until it reaches n's place
+among them (`turn`: n less the block's first visible key block), issues the step's reduce-adds,
+waits for them to be performed and passes the turn on (release). Every CTA walks its query
+blocks from the first, and a key block's CTA is launched after the previous one's, so the CTA it
+waits for never waits for it; clusters and rotated walks, which break that, are off.
+
 Rotated walks (`rotate_queries`: unmasked calls at head dims 192 and 256): CTA (or cluster) j of
 a (KV head, batch)'s p starts its walk at query block j * m_steps / p of its range and wraps
 around, instead of every CTA starting at the first. The CTAs of one KV head run side by side, so
@@ -117,7 +126,7 @@ from ..common.smem_layouts import (
 )
 from ..common.tiles import COPY_BITS
 from ..common.timeline import TimelineCounters
-from ..common.utils import acc_mn_view, exp2f, make_s2g_copy, store_staged_rows, tanhf
+from ..common.utils import acc_mn_view, elem_pointer, exp2f, make_s2g_copy, store_staged_rows, tanhf
 from .bwd_config import (
     LPT_GROUP_CTAS,
     NUM_CONSUMER_WGS,
@@ -275,6 +284,7 @@ class FlashBwdSm90(TimelineCounters):
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        mdQsem: Optional[cute.Tensor],  # int32 (b, h, query blocks) of zeros with `deterministic`
         num_batch: Int32,
         max_seqlen_k: Int32,
         softmax_scale: Float32,
@@ -380,7 +390,7 @@ class FlashBwdSm90(TimelineCounters):
         if cutlass.const_expr(cfg.lpt):
             grid = [num_n_blocks * num_heads_k * num_batch, 1, 1]
         self.kernel(
-            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, num_batch, num_n_blocks, lpt_heads,
+            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdQsem, num_batch, num_n_blocks, lpt_heads,
             tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
             tma_dQ, tma_mdQ, softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout,
@@ -407,6 +417,7 @@ class FlashBwdSm90(TimelineCounters):
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        mdQsem: Optional[cute.Tensor],
         num_batch: Int32,
         num_n_blocks: Int32,
         lpt_heads: Int32,
@@ -527,7 +538,7 @@ class FlashBwdSm90(TimelineCounters):
                     )
                 if cutlass.const_expr(cfg.dq_writer):
                     if warp_idx == 1 and m_steps > 0:
-                        self.write_dq(tma_dQ, tma_mdQ, sdQ, seqlen, batch, walk)
+                        self.write_dq(tma_dQ, tma_mdQ, sdQ, seqlen, batch, walk, n_block, block_info, mdQsem)
             else:
                 cute.arch.setmaxregister_increase(cfg.registers[0])
                 args = (
@@ -608,23 +619,55 @@ class FlashBwdSm90(TimelineCounters):
             pipeline_q.producer_tail(state)
 
     @cute.jit
-    def write_dq(self, tma_dQ, tma_mdQ, sdQ, seqlen: SeqlenInfo, batch, walk: QueryWalk):
+    def write_dq(self, tma_dQ, tma_mdQ, sdQ, seqlen: SeqlenInfo, batch, walk: QueryWalk, n_block,
+                 block_info: BlockInfo, mdQsem: Optional[cute.Tensor]):
         """The dQ writer warp (`dq_writer`): for every query block, in the consumers' order, each
-        warpgroup's dQ tile goes to dQaccum by a TMA reduce-add as soon as it is written."""
+        warpgroup's dQ tile goes to dQaccum by a TMA reduce-add as soon as it is written.
+
+        `deterministic`: the key blocks that see a query block add into it in key-block order.
+        The query block's turn counter (`mdQsem`) counts the key blocks that have added; this
+        CTA's turn is its key block's place among them (`turn`), and its walk visits the query
+        blocks in the same order as every other CTA's, from the first, so the key block before
+        it never waits for it. Once both of this step's reduce-adds are complete, the counter
+        passes the turn on."""
         cfg = self.cfg
         writer_and_wg = 32 + 128
         steps = walk.steps
+        lane = cute.arch.lane_idx()
         for it in cutlass.range(steps, unroll=1):
             head, m_block = walk.coords(it)
             buf = it % cfg.dq_stages
+            sem_ptr, turn = None, None
+            if cutlass.const_expr(cfg.deterministic):
+                sem_ptr = elem_pointer(mdQsem, (batch, head, m_block))
+                turn = self.turn(block_info, seqlen, n_block, m_block)
             for w in cutlass.range_constexpr(NUM_CONSUMER_WGS):
                 cute.arch.barrier(barrier_id=self.dq_barrier(BARRIER_DQ_FULL, w, buf), number_of_threads=writer_and_wg)
+                if cutlass.const_expr(cfg.deterministic and w == 0):
+                    if lane == 0:
+                        while cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu") != turn:
+                            pass
+                    cute.arch.sync_warp()
+                    # the reduce-adds (async proxy) come after the previous key block's
+                    cute.arch.fence_proxy("async.global")
                 self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w, buf], seqlen, batch, head, m_block, w)
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(cfg.deterministic and w == NUM_CONSUMER_WGS - 1):
+                    cute.arch.cp_async_bulk_wait_group(0)  # both reduce-adds performed, not just read
+                    if lane == 0:
+                        cute.arch.fence_proxy("async.global")
+                        cute.arch.store(sem_ptr, Int32(turn + 1), sem="release", scope="gpu")
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 if it + cfg.dq_stages < steps:  # the warpgroup writes this tile again only after this
                     cute.arch.barrier_arrive(barrier_id=self.dq_barrier(self.barrier_dq_empty, w, buf),
                                              number_of_threads=writer_and_wg)
         cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
+
+    @staticmethod
+    def turn(block_info: BlockInfo, seqlen: SeqlenInfo, n_block, m_block):
+        """`deterministic`: the place of key block `n_block` among those that add into query block
+        `m_block` (consecutive, from the forward's first visible one, `BlockInfo.n_block_range`)."""
+        return n_block - block_info.n_block_range(seqlen, m_block)[0]
 
     @cute.jit
     def reduce_add_dq(self, tma_dQ, tma_mdQ, sdQ_wg, seqlen: SeqlenInfo, batch, head, m_block, wg_idx):

@@ -271,6 +271,12 @@ class Sm90BwdConfig:
     # reduce-adds do not all land on one query block at once (make_config: no mask, head dims of
     # Q from 192; see `bwd.py`).
     rotate_queries: bool = False
+    # Bitwise-reproducible gradients: the key blocks that see a query block reduce-add their dQ
+    # tiles into it one after the other, in key-block order (a turn counter per (batch, query
+    # head, query block) in global memory, which the dQ writer warp waits on and advances). It
+    # needs the writer warp and walks that all start at the first query block (no cluster, no
+    # rotation); dK and dV are summed in registers, in a fixed order, already.
+    deterministic: bool = False
 
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
     registers = REGISTERS
@@ -328,6 +334,9 @@ class Sm90BwdConfig:
                              "seqused_k, column-split tile (dkv_split) or timeline")
         if self.lpt and not self.causal:
             raise ValueError("lpt orders causal key blocks; it needs causal")
+        if self.deterministic and (not self.dq_writer or self.cluster_q or self.rotate_queries):
+            # a CTA waits for the previous key block's turn, which must not wait for it in turn
+            raise ValueError("deterministic needs dq_writer and excludes cluster_q and rotate_queries")
         if self.timeline and self.dq_rows:
             # its counters spill registers there (11 B) and serialize the WGMMAs: nothing to measure
             raise ValueError("timeline: the 128-row tile (dq_rows) has no registers to spare for the counters")
@@ -414,7 +423,8 @@ class Sm90BwdConfig:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "keys_n", "single_dout", "dq_swap", "timeline", "cluster_q", "rotate_queries") if getattr(self, f)]
+                             "keys_n", "single_dout", "dq_swap", "timeline", "cluster_q", "rotate_queries",
+                             "deterministic") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -431,7 +441,8 @@ def with_cluster_q(config: Sm90BwdConfig, num_n_blocks: int) -> Sm90BwdConfig:
     backward's three kernels, medians): head dim 64 503.8 against 489.0 TFLOP/s, 96 456.1 against
     451.0; at 128 level (579.2 against 577.2: the SMs ran 2% faster, 1683 against 1654 MHz, but a
     cluster's CTAs wait for each other's release of a stage), so head dim 128 keeps single CTAs."""
-    if num_n_blocks % 2 or not config.pairs_key_blocks or max(config.head_dim, config.head_dim_v) > 96:
+    if (num_n_blocks % 2 or not config.pairs_key_blocks or max(config.head_dim, config.head_dim_v) > 96
+            or config.deterministic):
         return config
     return _clustered(config)
 
@@ -477,7 +488,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("keys_n", tile.keys_n and hd == 192 and flags["dq_writer"])
     flags.setdefault("lpt", flags.get("causal", False))
     # Q's head dim sets the width of the dQ tiles whose reduce-adds the rotation spreads out
-    flags.setdefault("rotate_queries", not masked and hd >= ROTATE_FROM_HEADDIM)
+    flags.setdefault("rotate_queries", not masked and hd >= ROTATE_FROM_HEADDIM and not flags.get("deterministic"))
     flags.setdefault("dkv_staged", True)
     # not on the 96-key tile without a mask, where it measured 2% slower (`dq_swap`)
     swap_asked = "dq_swap" in flags
@@ -544,6 +555,11 @@ def shipped_configs() -> list:
         make_config("bfloat16", 128, 128, stats_early=False),
         make_config("bfloat16", 128, 128, causal=True, stats_early=True, dq_fence_late=True),
     ]
+    # ordered dQ reduce-adds (`deterministic`) on each kind of tile
+    configs += [make_config("bfloat16", 128, 128, causal=True, deterministic=True),
+                make_config("float16", 64, 64, deterministic=True),
+                make_config("bfloat16", 192, 192, local=True, varlen_q=True, varlen_k=True, deterministic=True),
+                make_config("bfloat16", 256, 256, deterministic=True)]
     # the Q/dO-sharing clusters of unmasked calls with an even number of key blocks
     configs += [dataclasses.replace(make_config(dtype, d, d), cluster_q=True) for d in (64, 96) for dtype in DTYPES]
     configs += [dataclasses.replace(make_config("bfloat16", 64, 64, softcap=True), cluster_q=True)]
@@ -574,6 +590,7 @@ def fake_arguments(config: Sm90BwdConfig) -> tuple:
         fake_tokens(dtype, config.varlen_k, 8),  # dk
         fake_tokens(dtype, config.varlen_k, 8),  # dv
         *fake_sequence_vectors(config),
+        fake_tensor(cutlass.Int32, 3) if config.deterministic else None,  # dq_semaphore
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_k
         cutlass.Float32(1.0),  # softmax_scale
