@@ -57,6 +57,13 @@ class BlockInfo:
             n_block_min = col_begin // self.tile_n
         return n_block_min, n_block_max
 
+    def key_block_turn(self, seqlen: SeqlenInfo, n_block: Int32, m_block: Int32):
+        """Deterministic backward: the place of key block `n_block` among the key blocks that add
+        into query block `m_block`. Those are consecutive, from the first that holds a key some row
+        of the block sees (`n_block_range`), and each CTA walks its query blocks in ascending order,
+        so waiting for the previous key block never waits on a later one."""
+        return n_block - self.n_block_range(seqlen, m_block)[0]
+
     def m_block_range(self, seqlen: SeqlenInfo, n_block: Int32):
         """[m_block_min, m_block_max): the query blocks with a row that sees at least one key of
         key block `n_block` (the backward's loop); m_block_max may fall below m_block_min."""

@@ -377,7 +377,7 @@ class FlashBwdSm80:
                 # this CTA's turn at the query block: the key blocks that see it add in order
                 # (one turn counter per column tile: their additions touch different columns)
                 sem_ptr = elem_pointer(mdQsem, (batch, head, m_block * cfg.col_tiles + col_block))
-                turn = n_block - self.first_key_block(m_block, offset, left)
+                turn = block_info.key_block_turn(seqlen, n_block, m_block)
                 if tidx == 0:
                     while cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu") != turn:
                         pass
@@ -413,20 +413,6 @@ class FlashBwdSm80:
         if cutlass.const_expr(self.cfg.col_tiles > 1):
             base = base + cute.assume(col_block * (rows * cols), divby=rows * cols)
         return cute.make_tensor(base, smem_layout_transposed(self.dtype.width, rows, cols))
-
-    @cute.jit
-    def first_key_block(self, m_block, offset, left):
-        """The first key block that adds into query block `m_block`: 0, or with a sliding window
-        the first whose last key is still inside the window of the block's first row (the
-        blocks that see a query block are consecutive, and each CTA walks its query blocks in
-        ascending order, so waiting for the previous key block never waits on a later one)."""
-        first = Int32(0)
-        if cutlass.const_expr(self.cfg.local):
-            # block n reaches query block m iff its last row (n + 1) * tile_n - 1 - offset + left
-            # is >= m * tile_m
-            need = cutlass.max(m_block * self.cfg.tile_m + 1 + offset - left, 0)
-            first = cutlass.max((need + self.cfg.tile_n - 1) // self.cfg.tile_n - 1, 0)
-        return first
 
     @cute.jit
     def store_rows(self, acc, mX, seqlen: SeqlenInfo, batch, head_k, n_block, col_block, tile_d: cutlass.Constexpr,

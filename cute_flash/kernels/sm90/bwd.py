@@ -80,8 +80,8 @@ Ordered dQ (`deterministic`): the reduce-adds of the key blocks that see a query
 key-block order, so the fp32 sums, and dQ, are the same bits on every run. A turn counter per
 (batch, query head, query block) in global memory (zeroed by the host) counts the key blocks
 that have added; the dQ writer warp of key block n waits (acquire) until it reaches n's place
-among them (`turn`: n less the block's first visible key block), issues the step's reduce-adds,
-waits for them to be performed and passes the turn on (release). Every CTA walks its query
+among them (`BlockInfo.key_block_turn`), issues the step's reduce-adds, waits for them to be
+performed and passes the turn on (release). Every CTA walks its query
 blocks from the first, and a key block's CTA is launched after the previous one's, so the CTA it
 waits for never waits for it; clusters and rotated walks, which break that, are off.
 
@@ -640,7 +640,7 @@ class FlashBwdSm90(TimelineCounters):
             sem_ptr, turn = None, None
             if cutlass.const_expr(cfg.deterministic):
                 sem_ptr = elem_pointer(mdQsem, (batch, head, m_block))
-                turn = self.turn(block_info, seqlen, n_block, m_block)
+                turn = block_info.key_block_turn(seqlen, n_block, m_block)
             for w in cutlass.range_constexpr(NUM_CONSUMER_WGS):
                 cute.arch.barrier(barrier_id=self.dq_barrier(BARRIER_DQ_FULL, w, buf), number_of_threads=writer_and_wg)
                 if cutlass.const_expr(cfg.deterministic and w == 0):
@@ -662,12 +662,6 @@ class FlashBwdSm90(TimelineCounters):
                     cute.arch.barrier_arrive(barrier_id=self.dq_barrier(self.barrier_dq_empty, w, buf),
                                              number_of_threads=writer_and_wg)
         cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
-
-    @staticmethod
-    def turn(block_info: BlockInfo, seqlen: SeqlenInfo, n_block, m_block):
-        """`deterministic`: the place of key block `n_block` among those that add into query block
-        `m_block` (consecutive, from the forward's first visible one, `BlockInfo.n_block_range`)."""
-        return n_block - block_info.n_block_range(seqlen, m_block)[0]
 
     @cute.jit
     def reduce_add_dq(self, tma_dQ, tma_mdQ, sdQ_wg, seqlen: SeqlenInfo, batch, head, m_block, wg_idx):
