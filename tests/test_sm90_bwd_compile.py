@@ -247,6 +247,9 @@ def test_sm90_bwd_rotated_walk_visits_every_query_block_of_every_head_once(m_ste
     everything = [(head_k * group + h, m_block_min + m) for h in range(group) for m in range(m_steps)]
     plain = QueryWalk(head_k, group, m_block_min, m_steps)
     assert [plain.coords(it) for it in range(plain.steps)] == everything
+    down = QueryWalk(head_k, group, m_block_min, m_steps, descending=True)
+    assert [down.coords(it) for it in range(down.steps)] == [
+        (head_k * group + h, m_block_min + m) for h in range(group) for m in reversed(range(m_steps))]
     for m_rot in range(m_steps):
         rotated = QueryWalk(head_k, group, m_block_min, m_steps, m_rot)
         walk = [rotated.coords(it) for it in range(rotated.steps)]
@@ -371,6 +374,9 @@ def test_sm90_bwd_deterministic_calls_keep_their_tile_without_cluster_or_rotatio
     assert "deterministic" in main.name
     assert replace(plain, cluster_q=False, rotate_queries=False, deterministic=True) == main
     assert bc.with_cluster_q(main, 64) is main
+    assert not main.descending_walk
+    assert sm90_configs(q, q, q, None, AttnArgs(0.1, causal=True, window_right=0), deterministic=True)[1].descending_walk
+    assert not sm90_configs(q, q, q, None, AttnArgs(0.1, causal=True, window_right=0))[1].descending_walk
 
 
 @pytest.mark.parametrize("flag", ["cluster_q", "rotate_queries", "dq_writer"])

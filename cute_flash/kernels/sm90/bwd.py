@@ -82,8 +82,12 @@ key-block order, so the fp32 sums, and dQ, are the same bits on every run. A tur
 that have added; the dQ writer warp of key block n waits (acquire) until it reaches n's place
 among them (`BlockInfo.key_block_turn`), issues the step's reduce-adds, waits for them to be
 performed and passes the turn on (release). Every CTA walks its query
-blocks from the first, and a key block's CTA is launched after the previous one's, so the CTA it
-waits for never waits for it; clusters and rotated walks, which break that, are off.
+blocks in the same order, and a key block's CTA is launched after the previous one's, so the CTA
+it waits for never waits for it; clusters and rotated walks, which break that, are off. With a
+causal mask or a window the walks go from the last query block down (`descending_walk`): every
+key block that sees query block m sees the last one too (causal), so all of a KV head's CTAs
+reach each block at the same step, where from the first they would each start at their own
+diagonal block and wait there for the key blocks before them to walk down to it.
 
 Rotated walks (`rotate_queries`: unmasked calls at head dims 192 and 256): CTA (or cluster) j of
 a (KV head, batch)'s p starts its walk at query block j * m_steps / p of its range and wraps
@@ -164,13 +168,15 @@ class QueryWalk:
     """The steps of a CTA's walk over (query head, query block), which the producer, the consumers
     and the dQ writer take in the same order: query blocks [m_block_min, m_block_min + m_steps) of
     the first query head of the KV head's group, then of the next head; with `m_rot`
-    (`rotate_queries`) each head's blocks from the `m_rot`-th on, wrapping around."""
+    (`rotate_queries`) each head's blocks from the `m_rot`-th on, wrapping around; `descending`:
+    each head's blocks from the last to the first."""
 
     head_k: Int32  # the CTA's KV head
     group: Int32  # query heads per KV head
     m_block_min: Int32
     m_steps: Int32  # query blocks per head
     m_rot: Optional[Int32] = None  # None: every head's walk from its first block
+    descending: cutlass.Constexpr[bool] = False
 
     @property
     def steps(self):
@@ -179,6 +185,8 @@ class QueryWalk:
     def coords(self, it):
         """(query head, query block) of step `it`."""
         head = self.head_k * self.group + it // self.m_steps
+        if cutlass.const_expr(self.descending):
+            return head, self.m_block_min + self.m_steps - 1 - it % self.m_steps
         if self.m_rot is None:
             return head, self.m_block_min + it % self.m_steps
         return head, self.m_block_min + (it % self.m_steps + self.m_rot) % self.m_steps
@@ -523,7 +531,7 @@ class FlashBwdSm90(TimelineCounters):
             # CTA (cluster: both CTAs alike) j of p starts at query block j * m_steps / p of its range
             pairs = (num_n_blocks + self.cluster_size - 1) // self.cluster_size
             m_rot = (n_block // self.cluster_size) * m_steps // pairs
-        walk = QueryWalk(head_k, group, m_block_min, m_steps, m_rot)
+        walk = QueryWalk(head_k, group, m_block_min, m_steps, m_rot, cfg.descending_walk)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_size, 1))
         # A CTA past the end of its (varlen) key sequence has nothing to do; all its threads leave.

@@ -347,6 +347,12 @@ class Sm90BwdConfig:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
 
     @property
+    def descending_walk(self) -> bool:
+        """Whether a CTA walks its query blocks from the last to the first: `deterministic` calls
+        with a causal mask or a window (see `bwd.py`)."""
+        return self.deterministic and (self.causal or self.local)
+
+    @property
     def pairs_key_blocks(self) -> bool:
         """Whether two CTAs on neighbouring key blocks walk the same query blocks and the kernel
         can share them (`cluster_q`): no mask, varlen or seqused_k, and not the column-split tile
