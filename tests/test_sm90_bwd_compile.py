@@ -375,8 +375,28 @@ def test_sm90_bwd_deterministic_calls_keep_their_tile_without_cluster_or_rotatio
     assert replace(plain, cluster_q=False, rotate_queries=False, deterministic=True) == main
     assert bc.with_cluster_q(main, 64) is main
     assert not main.descending_walk
-    assert sm90_configs(q, q, q, None, AttnArgs(0.1, causal=True, window_right=0), deterministic=True)[1].descending_walk
-    assert not sm90_configs(q, q, q, None, AttnArgs(0.1, causal=True, window_right=0))[1].descending_walk
+    causal = AttnArgs(0.1, causal=True, window_right=0)
+    assert sm90_configs(q, q, q, None, causal, deterministic=True)[1].descending_walk
+    assert not sm90_configs(q, q, q, None, causal)[1].descending_walk
+
+
+def test_sm90_bwd_deterministic_calls_whose_tile_spills_go_to_the_sm80_kernels():
+    """Q's head dim 128 with V's 192, causal, varlen: that deterministic tile spills (8/12 B), so
+    the sm_90 kernel refuses the call by name and the backend runs it on the sm_80 kernels."""
+    from cute_flash.backends.cute import CuteSm90Backend
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    q = torch.empty(100, 2, 128, dtype=torch.bfloat16)
+    v = torch.empty(100, 2, 192, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    args = AttnArgs(0.1, causal=True, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=60,
+                    max_seqlen_k=60)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        sm90_configs(q, q, v, None, args, deterministic=True)
+    backend = CuteSm90Backend()
+    assert not backend.native_backward_takes(q, q, v, args, True)
+    assert backend.native_backward_takes(q, q, v, args, False)
+    assert backend.backward_refusal(q, q, v, args, True) is None  # the sm_80 kernels take it
 
 
 @pytest.mark.parametrize("flag", ["cluster_q", "rotate_queries", "dq_writer"])

@@ -473,6 +473,11 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
             )
         if hd not in SPLIT_HEADDIMS:
             raise NotImplementedError(f"the sm_90 backward kernel does not take head dim {head_dim} with {head_dim_v}")
+    if flags.get("deterministic") and _deterministic_spills(hd, hdv, flags):
+        raise NotImplementedError(
+            f"deterministic backward with head dims {head_dim} / {head_dim_v}, a causal mask and varlen sequences: "
+            f"the sm_90 kernel's tile spills registers there"
+        )
     masked = flags.get("causal", False) or flags.get("local", False)
     wide = (hd in WIDE_TILES and hd == hdv and not flags.get("softcap", False) and flags.get("dq_writer", True)
             and not _spills_wide(flags, masked))
@@ -512,6 +517,13 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
     return Sm90BwdConfig(**fields)
+
+
+def _deterministic_spills(hd: int, hdv: int, flags: dict) -> bool:
+    """The deterministic calls whose sm_90 tile spills (8/12 B for sm_90a, with or without
+    softcap): Q's head dim 128 with V's 192, causal, varlen. The backend runs them on the sm_80
+    kernels (`sm90_configs` refuses them)."""
+    return (hd, hdv) == (128, 192) and flags.get("causal", False) and flags.get("varlen_q", False)
 
 
 def _spills_wide(flags: dict, masked: bool) -> bool:
@@ -625,8 +637,8 @@ compile_fwd = compile_kernel
 def sweep_configs() -> list:
     """The configurations `make_config` gives over a grid of calls: every tile head dim and the
     unequal pairs the column-split tile takes, no mask / causal / window, softcap or not, fixed
-    or varlen (with seqused_k) sequences, in bf16; the equal head dims in fp16 too, without the
-    sequence variants. `python -m cute_flash.audit --sweep` compiles them."""
+    or varlen (with seqused_k) sequences, deterministic or not, in bf16; the equal head dims in
+    fp16 too, without the sequence variants. `python -m cute_flash.audit --sweep` compiles them."""
     import itertools
 
     from cute_flash.audit import distinct
@@ -635,8 +647,9 @@ def sweep_configs() -> list:
                                                 (128, 192), (256, 192), (192, 256), (192, 64)]
     masks = ({}, {"causal": True}, {"local": True})
     seqs = ({}, {"varlen_q": True, "varlen_k": True, "seqused_k": True})
-    bf16 = (make_config("bfloat16", d, dv, softcap=softcap, **mask, **seq)
-            for (d, dv), mask, softcap, seq in itertools.product(pairs, masks, (False, True), seqs))
+    bf16 = (make_config("bfloat16", d, dv, softcap=softcap, deterministic=det, **mask, **seq)
+            for (d, dv), mask, softcap, seq, det in itertools.product(pairs, masks, (False, True), seqs, (False, True))
+            if not (det and _deterministic_spills(d, dv, {**mask, **seq})))
     fp16 = (make_config("float16", d, d, softcap=softcap, **mask)
             for d, mask, softcap in itertools.product(TILE_HEADDIMS, masks, (False, True)))
     configs = list(itertools.chain(bf16, fp16))
