@@ -15,8 +15,8 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   serializes the WGMMAs) or else `dk_behind_dq`, `dq_writer` (off, with `dq_fence_late` off and one
   dQ tile), `dq_stages` (1 where 2 ship, else 2), `lpt` (off, causal), `dkv_staged`, `dq_split`
   (off), `dq_swap` (off), `rotate_queries` (`rotate` / `no rotate`), one more Q / dO stage where
-  it fits (head dim 64) and, where the 96-key tile ships (`keys_n`), the 64-key column-split tile
-  (`64 keys`);
+  it fits (head dim 64), where the 96-key tile ships (`keys_n`), the 64-key column-split tile
+  (`64 keys`), and `deterministic` (ordered dQ reduce-adds, without clusters or rotation);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the same preprocess and postprocess kernels (`backward_sm90` with the
@@ -90,6 +90,8 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     # each CTA's walk over the query blocks from a start spread over the range, or from the first
     flips.append(("no rotate" if shipped.rotate_queries else "rotate", {"rotate_queries": not shipped.rotate_queries}))
     flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))
+    # ordered dQ reduce-adds (`deterministic`: no cluster, no rotation; masked walks descending)
+    flips.append(("deterministic", {"deterministic": True, "cluster_q": False, "rotate_queries": False}))
     if only is not None:
         flips = [(label, change) for label, change in flips if label in only]
     out, seen = [("shipped", shipped)], {shipped}
