@@ -59,9 +59,10 @@ class BlockInfo:
 
     def key_block_turn(self, seqlen: SeqlenInfo, n_block: Int32, m_block: Int32):
         """Deterministic backward: the place of key block `n_block` among the key blocks that add
-        into query block `m_block`. Those are consecutive, from the first that holds a key some row
-        of the block sees (`n_block_range`), and each CTA walks its query blocks in ascending order,
-        so waiting for the previous key block never waits on a later one."""
+        into query block `m_block`, which are consecutive from the first that holds a key some row
+        of the block sees (`n_block_range`). The kernels add in this order; every CTA walks its
+        query blocks in one order and is launched after the previous key block's, so waiting for
+        the previous key block never waits on a later one."""
         return n_block - self.n_block_range(seqlen, m_block)[0]
 
     def m_block_range(self, seqlen: SeqlenInfo, n_block: Int32):

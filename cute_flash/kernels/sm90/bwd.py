@@ -634,14 +634,14 @@ class FlashBwdSm90(TimelineCounters):
 
         `deterministic`: the key blocks that see a query block add into it in key-block order.
         The query block's turn counter (`mdQsem`) counts the key blocks that have added; this
-        CTA's turn is its key block's place among them (`turn`), and its walk visits the query
-        blocks in the same order as every other CTA's, from the first, so the key block before
+        CTA's turn is its key block's place among them (`BlockInfo.key_block_turn`), and its walk
+        visits the query blocks in the same order as every other CTA's, so the key block before
         it never waits for it. Once both of this step's reduce-adds are complete, the counter
         passes the turn on."""
         cfg = self.cfg
         writer_and_wg = 32 + 128
         steps = walk.steps
-        lane = cute.arch.lane_idx()
+        lane = cute.arch.lane_idx() if cutlass.const_expr(cfg.deterministic) else None
         for it in cutlass.range(steps, unroll=1):
             head, m_block = walk.coords(it)
             buf = it % cfg.dq_stages

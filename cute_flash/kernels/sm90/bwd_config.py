@@ -274,8 +274,9 @@ class Sm90BwdConfig:
     # Bitwise-reproducible gradients: the key blocks that see a query block reduce-add their dQ
     # tiles into it one after the other, in key-block order (a turn counter per (batch, query
     # head, query block) in global memory, which the dQ writer warp waits on and advances). It
-    # needs the writer warp and walks that all start at the first query block (no cluster, no
-    # rotation); dK and dV are summed in registers, in a fixed order, already.
+    # needs the writer warp and every CTA walking its query blocks in one order (no cluster, no
+    # rotation; with a mask from the last block down, `descending_walk`); dK and dV are summed in
+    # registers, in a fixed order, already.
     deterministic: bool = False
 
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
