@@ -1,0 +1,106 @@
+"""What `deterministic=True` costs on an H100/H200, in two tables (bf16, batch x seqlen x heads,
+default 2 x 8192 x 16 at head dim 128, causal and not; `triton.testing.do_bench` medians):
+
+* backward: cute-sm90's `bwd` (preprocess, main, postprocess kernels) on its own sm_90 kernel,
+  deterministic or not, and deterministic on the sm_80 kernels (`native_backward = False`, the
+  path deterministic calls took before the sm_90 kernel had the mode); TFLOP/s = 2.5 x 4·b·h·s²·d;
+* forward + backward through autograd: `cute_flash.attention` and flash-attn-4's
+  `flash_attn_func` (when importable), deterministic or not; TFLOP/s = 3.5 x 4·b·h·s²·d.
+
+Both halved when causal.
+
+    python benchmarks/ab_deterministic.py                       # GPU
+    python benchmarks/ab_deterministic.py --head-dim 64 --heads 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def backward_table(b: int, s: int, h: int, d: int, causal: bool) -> dict:
+    import torch
+    from triton.testing import do_bench
+
+    import cute_flash
+    from cute_flash.backends import get_backend
+    from cute_flash.backends.base import AttnArgs
+
+    backend = get_backend("cute-sm90")
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    args = AttnArgs(softmax_scale=d ** -0.5, causal=causal, window_right=0 if causal else -1)
+    out, lse = cute_flash.attention(q, k, v, causal=causal, return_lse=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+    res = {}
+    try:
+        for label, native, det in (("sm90", True, False), ("sm90 det", True, True), ("sm80 det", False, True)):
+            backend.native_backward = native
+            run = lambda det=det: backend.bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, det)  # noqa: E731
+            run()
+            torch.cuda.synchronize()
+            res[label] = round(flops / do_bench(run, warmup=25, rep=100, return_mode="median") * 1e-9, 1)
+    finally:
+        backend.native_backward = True
+    return res
+
+
+def fwd_bwd_table(b: int, s: int, h: int, d: int, causal: bool) -> dict:
+    import torch
+    from triton.testing import do_bench
+
+    import cute_flash
+
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except ImportError:
+        flash_attn_func = None
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    do = torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda")
+    flops = 3.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+    res = {}
+    for label, det in (("cute", False), ("cute det", True), ("fa4", False), ("fa4 det", True)):
+        if label.startswith("fa4"):
+            if flash_attn_func is None:
+                continue
+            attend = lambda det=det: flash_attn_func(q, k, v, causal=causal, deterministic=det)  # noqa: E731
+        else:
+            attend = lambda det=det: cute_flash.attention(q, k, v, causal=causal, deterministic=det,  # noqa: E731
+                                                          backend="cute-sm90")
+
+        def step(attend=attend):
+            out = attend()
+            (out[0] if isinstance(out, tuple) else out).backward(do)
+
+        try:
+            step()
+            ms = do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="median")
+            res[label] = round(flops / ms * 1e-9, 1)
+        except Exception as exc:  # a peer that refuses the call must not hide the others
+            res[label] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    opts = p.parse_args(argv)
+    shape = (opts.batch, opts.seqlen, opts.heads, opts.head_dim)
+    for causal in (False, True):
+        mask = "causal" if causal else "full"
+        name = f"hd{opts.head_dim} {opts.batch}x{opts.seqlen}x{opts.heads} {mask}"
+        print(f"backward {name} TFLOP/s:", backward_table(*shape, causal), flush=True)
+        print(f"forward + backward {name} TFLOP/s:", fwd_bwd_table(*shape, causal), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
