@@ -90,8 +90,8 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     # each CTA's walk over the query blocks from a start spread over the range, or from the first
     flips.append(("no rotate" if shipped.rotate_queries else "rotate", {"rotate_queries": not shipped.rotate_queries}))
     flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))
-    # ordered dQ reduce-adds (`deterministic`: no cluster, no rotation; masked walks descending)
-    flips.append(("deterministic", {"deterministic": True, "cluster_q": False, "rotate_queries": False}))
+    # ordered dQ reduce-adds (`deterministic`: no cluster, no rotation, lpt's grid)
+    flips.append(("deterministic", {"deterministic": True, "cluster_q": False, "rotate_queries": False, "lpt": True}))
     if only is not None:
         flips = [(label, change) for label, change in flips if label in only]
     out, seen = [("shipped", shipped)], {shipped}

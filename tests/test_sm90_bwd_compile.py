@@ -180,8 +180,6 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
                 flipped["dq_fence_late"] = False  # which needs the writer (off here anyway)
             if f.name == "dk_after_dq":
                 flipped["dk_behind_dq"] = False  # the two exclude each other
-            if f.name == "lpt":
-                continue  # needs causal: below
             if f.name in ("dq_rows", "dv_after_ds"):
                 continue  # the 128-row tile of head dim 64: below
             assert replace(base, **flipped).name != base.name, f.name
@@ -247,9 +245,6 @@ def test_sm90_bwd_rotated_walk_visits_every_query_block_of_every_head_once(m_ste
     everything = [(head_k * group + h, m_block_min + m) for h in range(group) for m in range(m_steps)]
     plain = QueryWalk(head_k, group, m_block_min, m_steps)
     assert [plain.coords(it) for it in range(plain.steps)] == everything
-    down = QueryWalk(head_k, group, m_block_min, m_steps, descending=True)
-    assert [down.coords(it) for it in range(down.steps)] == [
-        (head_k * group + h, m_block_min + m) for h in range(group) for m in reversed(range(m_steps))]
     for m_rot in range(m_steps):
         rotated = QueryWalk(head_k, group, m_block_min, m_steps, m_rot)
         walk = [rotated.coords(it) for it in range(rotated.steps)]
@@ -258,12 +253,15 @@ def test_sm90_bwd_rotated_walk_visits_every_query_block_of_every_head_once(m_ste
         assert [h for h, _ in walk] == sorted(h for h, _ in walk)
 
 
-def test_sm90_bwd_lpt_order_only_for_causal_calls():
+def test_sm90_bwd_lpt_order_for_causal_and_deterministic_calls():
     assert bc.make_config("bfloat16", 64, 64, causal=True).lpt
     assert not bc.make_config("bfloat16", 64, 64).lpt
     assert not bc.make_config("bfloat16", 128, 128, local=True).lpt
-    with pytest.raises(ValueError, match="lpt"):
-        bc.make_config("bfloat16", 128, 128, lpt=True)
+    for mask in ({}, {"causal": True}, {"local": True}):
+        assert bc.make_config("bfloat16", 128, 128, deterministic=True, **mask).lpt
+    # a cluster's two CTAs are neighbours in the grid, which lpt's order gives to two heads
+    with pytest.raises(ValueError, match="lpt excludes cluster_q"):
+        bc.make_config("bfloat16", 64, 64, lpt=True, cluster_q=True)
 
 
 def test_sm90_bwd_dk_behind_dq_where_dk_is_not_carried_after_dq():
@@ -364,7 +362,8 @@ def test_sm90_bwd_call_with_dlse_and_varlen_selects_matching_pre_and_post():
 @pytest.mark.parametrize("d", bc.TILE_HEADDIMS)
 def test_sm90_bwd_deterministic_calls_keep_their_tile_without_cluster_or_rotation(d):
     """deterministic=True: the call's tile with ordered dQ reduce-adds, issued by the writer warp,
-    on walks that all start at the first query block (no Q/dO cluster, no rotation)."""
+    on walks that all start at the first query block (no Q/dO cluster, no rotation), in lpt's
+    grid order."""
     from cute_flash.backends.cute_bwd import sm90_configs
 
     q = torch.empty(2, 8192, 2, d, dtype=torch.bfloat16)
@@ -372,12 +371,12 @@ def test_sm90_bwd_deterministic_calls_keep_their_tile_without_cluster_or_rotatio
     main = sm90_configs(q, q, q, None, AttnArgs(0.1), deterministic=True)[1]
     assert main.deterministic and main.dq_writer and not main.cluster_q and not main.rotate_queries
     assert "deterministic" in main.name
-    assert replace(plain, cluster_q=False, rotate_queries=False, deterministic=True) == main
+    assert replace(plain, cluster_q=False, rotate_queries=False, lpt=True, deterministic=True) == main
     assert bc.with_cluster_q(main, 64) is main
-    assert not main.descending_walk
+    assert not main.shortest_first
     causal = AttnArgs(0.1, causal=True, window_right=0)
-    assert sm90_configs(q, q, q, None, causal, deterministic=True)[1].descending_walk
-    assert not sm90_configs(q, q, q, None, causal)[1].descending_walk
+    assert sm90_configs(q, q, q, None, causal, deterministic=True)[1].shortest_first
+    assert not sm90_configs(q, q, q, None, causal)[1].shortest_first
 
 
 def test_sm90_bwd_deterministic_calls_whose_tile_spills_go_to_the_sm80_kernels():
@@ -503,3 +502,48 @@ def test_sm90_bwd_compiles_without_spills_with_hgmma_tma_setmaxnreg_and_no_wgmma
     assert loop
     if not config.timeline:
         assert descriptors_moved_from_thread_registers(loop) == 0
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 1000), (1000, 300), (129, 129)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_bwd_deterministic_turns_follow_the_launch_order(mask, seqlen_q, seqlen_k, d):
+    """The key blocks that add into a query block take turns 0, 1, ... in an order in which the
+    grid launches them (the CTA whose turn comes first is never launched after the one waiting
+    for it), and with a mask (`shortest_first`: turns and launches from the last key block down,
+    walks up from each CTA's first query block) the CTA whose turn comes first reaches the query
+    block at the same step or earlier, so CTAs walking in lockstep never wait."""
+    from cute_flash.kernels.common.block_info import BlockInfo
+    from cute_flash.kernels.common.seqlen_info import SeqlenInfo
+    from cute_flash.kernels.sm90.fwd import tile_coords
+
+    flags = {"none": {}, "causal": {"causal": True}, "local": {"local": True}}[mask]
+    cfg = bc.make_config("bfloat16", d, d, deterministic=True, **flags)
+    assert cfg.lpt and cfg.shortest_first == (mask != "none")
+    left, right = {"none": (-1, -1), "causal": (-1, 0), "local": (200, 70)}[mask]
+    info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
+    seqlen = SeqlenInfo(0, 0, seqlen_q, seqlen_k, False, False)
+    num_n = -(-seqlen_k // cfg.tile_n)
+    # one (batch, head): the grid's order of its key blocks
+    launch = {tile_coords(i, num_n, 1, 1, 4, cfg.shortest_first)[0]: i for i in range(num_n)}
+    assert sorted(launch) == list(range(num_n))
+    walks = {n: range(*map(int, info.m_block_range(seqlen, n))) for n in range(num_n)}
+    checked = 0
+    for m in range(-(-seqlen_q // cfg.tile_m)):
+        visitors = [n for n in range(num_n) if m in walks[n]]
+        n_min, n_max = map(int, info.n_block_range(seqlen, m))
+        assert visitors == list(range(n_min, n_max))
+        by_turn = sorted(visitors, key=lambda n: int(info.key_block_turn(seqlen, n, m, cfg.shortest_first)))
+        assert [int(info.key_block_turn(seqlen, n, m, cfg.shortest_first)) for n in by_turn] == list(range(len(by_turn)))
+        for first, then in zip(by_turn, by_turn[1:]):
+            assert launch[first] < launch[then]
+            if cfg.shortest_first:  # the step at which each CTA's walk reaches m
+                assert m - walks[first].start <= m - walks[then].start
+            checked += 1
+    assert checked > 0 or num_n == 1
+
+
+def test_sm90_bwd_deterministic_with_a_mask_needs_the_shortest_first_grid():
+    with pytest.raises(ValueError, match="shortest_first"):
+        replace(bc.make_config("bfloat16", 128, 128, causal=True, deterministic=True), lpt=False)
+    replace(bc.make_config("bfloat16", 128, 128, deterministic=True), lpt=False)  # no mask: any grid order

@@ -57,13 +57,16 @@ class BlockInfo:
             n_block_min = col_begin // self.tile_n
         return n_block_min, n_block_max
 
-    def key_block_turn(self, seqlen: SeqlenInfo, n_block: Int32, m_block: Int32):
+    def key_block_turn(self, seqlen: SeqlenInfo, n_block: Int32, m_block: Int32, last_first: bool = False):
         """Deterministic backward: the place of key block `n_block` among the key blocks that add
-        into query block `m_block`, which are consecutive from the first that holds a key some row
-        of the block sees (`n_block_range`). The kernels add in this order; every CTA walks its
-        query blocks in one order and is launched after the previous key block's, so waiting for
-        the previous key block never waits on a later one."""
-        return n_block - self.n_block_range(seqlen, m_block)[0]
+        into query block `m_block`, which are consecutive (`n_block_range`): counted from the
+        first of them, or from the last with `last_first`. The kernels add in this order, and
+        launch the key block whose turn comes before n's before n (`Sm90BwdConfig.shortest_first`
+        launches the last key blocks first), so waiting for it never waits on a later CTA."""
+        n_block_min, n_block_max = self.n_block_range(seqlen, m_block)
+        if last_first:  # a Python bool: the kernel's configuration
+            return n_block_max - 1 - n_block
+        return n_block - n_block_min
 
     def m_block_range(self, seqlen: SeqlenInfo, n_block: Int32):
         """[m_block_min, m_block_max): the query blocks with a row that sees at least one key of

@@ -192,6 +192,14 @@ class Sm90BwdConfig:
     # dO the running CTAs read at one time stay few; the grid's last CTAs are then short ones.
     # On the H200 (bf16, causal, `benchmarks/ab_sm90_bwd.py`, 3 rounds): 2 x 4096 at head dim 128
     # 0.817-0.837 -> 0.772-0.788 ms, at 64 0.971-0.972 -> 0.937-0.997; 8 x 2048 at 128 level.
+    # Deterministic calls take this order with any mask: the key blocks of a head that start
+    # together (a section's first CTAs) hand each query block's turn down a chain, and each
+    # later CTA starts about one hand-over after the one before it. With each head's blocks in
+    # turn, the first wave held whole heads and every CTA of a head waited for all the blocks
+    # before it (H200, bf16, no mask, `benchmarks/ab_sm90_bwd.py`-style A/B of the main kernel,
+    # 3 rounds, TFLOP/s: head dim 128, 2 x 8192: 464-530 -> 529-542; 8 x 2048: 436-442 ->
+    # 466-470; head dim 64, 2 x 8192: 398-448 -> 471-488). Without determinism and without a
+    # mask it measured slower (head dim 128, 2 x 8192: 588 -> 558-578).
     lpt: bool = False
     # dK and dV staged in the shared memory of Q and dO (free once the last block is done) by
     # stmatrix and stored from there 128 bits per thread and copy, instead of 32-bit stores
@@ -275,8 +283,8 @@ class Sm90BwdConfig:
     # tiles into it one after the other, in key-block order (a turn counter per (batch, query
     # head, query block) in global memory, which the dQ writer warp waits on and advances). It
     # needs the writer warp and every CTA walking its query blocks in one order (no cluster, no
-    # rotation; with a mask from the last block down, `descending_walk`); dK and dV are summed in
-    # registers, in a fixed order, already.
+    # rotation; with a mask the turns go from the last key block down, `shortest_first`); dK and
+    # dV are summed in registers, in a fixed order, already.
     deterministic: bool = False
 
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
@@ -333,11 +341,15 @@ class Sm90BwdConfig:
         if self.cluster_q and not self.pairs_key_blocks:
             raise ValueError("cluster_q pairs key blocks that walk the same query blocks: it takes no mask, varlen, "
                              "seqused_k, column-split tile (dkv_split) or timeline")
-        if self.lpt and not self.causal:
-            raise ValueError("lpt orders causal key blocks; it needs causal")
         if self.deterministic and (not self.dq_writer or self.cluster_q or self.rotate_queries):
             # a CTA waits for the previous key block's turn, which must not wait for it in turn
             raise ValueError("deterministic needs dq_writer and excludes cluster_q and rotate_queries")
+        if self.shortest_first and not self.lpt:
+            # the turns go from the last key block down: those CTAs must be launched first
+            raise ValueError("deterministic with a causal mask or a window needs lpt (shortest_first)")
+        if self.lpt and self.cluster_q:
+            # a cluster is two neighbouring CTAs of the grid, which this order gives to two heads
+            raise ValueError("lpt excludes cluster_q")
         if self.timeline and self.dq_rows:
             # its counters spill registers there (11 B) and serialize the WGMMAs: nothing to measure
             raise ValueError("timeline: the 128-row tile (dq_rows) has no registers to spare for the counters")
@@ -348,9 +360,10 @@ class Sm90BwdConfig:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
 
     @property
-    def descending_walk(self) -> bool:
-        """Whether a CTA walks its query blocks from the last to the first: `deterministic` calls
-        with a causal mask or a window (see `bwd.py`)."""
+    def shortest_first(self) -> bool:
+        """`deterministic` calls with a causal mask or a window: the grid launches each section's
+        key blocks from the last (the fewest query blocks) down, and a query block's turns go from
+        its last key block down (see `bwd.py`)."""
         return self.deterministic and (self.causal or self.local)
 
     @property
@@ -498,7 +511,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     keys_n_asked = "keys_n" in flags
     # Q's head dim 192, V's up to 192, with the dQ writer warp
     flags.setdefault("keys_n", tile.keys_n and hd == 192 and flags["dq_writer"])
-    flags.setdefault("lpt", flags.get("causal", False))
+    flags.setdefault("lpt", flags.get("causal", False) or flags.get("deterministic", False))
     # Q's head dim sets the width of the dQ tiles whose reduce-adds the rotation spreads out
     flags.setdefault("rotate_queries", not masked and hd >= ROTATE_FROM_HEADDIM and not flags.get("deterministic"))
     flags.setdefault("dkv_staged", True)
