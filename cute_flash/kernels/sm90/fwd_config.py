@@ -13,7 +13,7 @@ together. Shared memory: Q (reused for O; apart from it in a persistent configur
 persistent (one CTA per SM walking the tiles, `fwd.py`); with a causal mask the CTAs take their
 tiles from a counter (`tile_counter`), because tiles of unequal length taken by a fixed stride
 leave some SMs with much more work than others. At 64, softcap with a causal mask or a window
-would spill at 160 registers with that loop, and so would 96 with seqused_k (80-88 B): those
+would spill at 160 registers with that loop, and so would 96 with seqused_k (140 B): those
 take one CTA per tile. 192 / 256 are not persistent (Q and O apart do not fit at 256).
 
 Causal schedules of the same kernel on an H200 (bf16, 16k tokens, hidden 2048, do_bench,
@@ -24,7 +24,7 @@ counter and the grid are level (hd128 8k 614 vs 620) and the fixed stride trails
 | hd  | tile_m x tile_n | consumer WGs | stages | regs (consumer / producer) | ping-pong |
 | --- | --------------- | ------------ | ------ | -------------------------- | --------- |
 | 64  | 192 x 128       | 3            | 2      | 160 / 32                   | yes       |
-| 96  | 128 x 128       | 2            | 2      | 240 / 24                   | yes       |
+| 96  | 192 x 112       | 3            | 2      | 160 / 32                   | yes       |
 | 128 | 128 x 128       | 2            | 2      | 240 / 24                   | yes       |
 | 192 | 128 x 96        | 2            | 2      | 240 / 24                   | no        |
 | 256 | 128 x 64        | 2            | 2      | 240 / 24                   | no        |
@@ -36,6 +36,12 @@ overlap is on everywhere. With dv > 128, O is rescaled while the next S = Q Kᵀ
 is issued (`rescale_o_before_pv`, as flash-attn-4's sm90 kernel does). At hd 256, tile_n 80
 (226 KB of shared memory) measured below 64 on an H200: 716.5 vs 741.7 TFLOP/s without causal,
 654.1 vs 677.6 causal (benchmarks/ab_sm90_fwd.py, 2 x 8192 x 16 heads, bf16).
+
+Head dim 96 takes three consumer warpgroups on 192 x 112 (192 x 128 spills at 160 registers),
+as flash-attn-4 takes 192 rows there: on an H200 (bf16, 21 heads, three interleaved rounds,
+TFLOP/s) 2 x 8192 602-608 against 556-557 on the former 128 x 128 tile with K/V clusters
+(flash-attn-4 591-629), 8 x 2048 540-569 against 515-521, causal 2 x 8192 510-537 against
+508-525; 192 x 96 measured 592-595 / 509-536 / 532-533, three K/V stages 601-609.
 
 `lazy_rescale` (on in every configuration `make_config` builds; the eager variants are shipped
 for A/B only): a row keeps its old maximum as the exp
@@ -68,7 +74,7 @@ class Tile(NamedTuple):
 
 TILES = {
     64: Tile(192, 128, 3, 2, True, persistent=True),
-    96: Tile(128, 128, 2, 2, True, persistent=True),
+    96: Tile(192, 112, 3, 2, True, persistent=True),
     128: Tile(128, 128, 2, 2, True, persistent=True),
     192: Tile(128, 96, 2, 2, False),
     256: Tile(128, 64, 2, 2, False),
@@ -221,7 +227,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     # bf16: causal grid 604 TFLOP/s, persistent CTAs 544); persistent causal CTAs therefore take
     # their tiles from a counter (`tile_counter`). Persistent loops that spill stay on the grid:
     # hd64 with softcap and a causal mask or a window (160 registers; causal with the counter,
-    # local with varlen: 16 B) and hd96 with seqused_k (zeroing the V rows past it; 80-88 B).
+    # local with varlen: 16 B) and hd96 with seqused_k (zeroing the V rows past it; 140 B).
     causal = flags.get("causal", False)
     masked = causal or flags.get("local", False)
     spills_persistent = ((masked and hd == 64 and flags.get("softcap", False))
@@ -248,7 +254,8 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     722-732 TFLOP/s against 730-731): one CTA per tile fills an SM, and a cluster waits for two
     free SMs. Elsewhere on an H200 (`benchmarks/ab_clusters.py --rounds 5`, bf16, 2048 / head dim
     heads, medians): head dim 128 2 x 8192 666.4 against 646.9 TFLOP/s (SM clock 1674 against
-    1633 MHz at the 700 W cap), 8 x 2048 615.2 against 606.7; 96 558.2 against 541.6; 192 716.9
+    1633 MHz at the 700 W cap), 8 x 2048 615.2 against 606.7; 96 (on its former 128 x 128 tile)
+    558.2 against 541.6; 192 716.9
     against 709.1; 64 at 1 x 16384 534.1 against 530.1."""
     if num_m_blocks % 2 or not config.pairs_query_blocks or config.tile_n < 96:
         return config
