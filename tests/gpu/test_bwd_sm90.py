@@ -61,6 +61,22 @@ def _run(q, k, v, out, lse, dout, dlse, args: AttnArgs, deterministic=False):
     return dq, dk, dv
 
 
+def _run_main_kernels(configs, q, k, v, out, lse, dout, args: AttnArgs) -> list:
+    """(dq, dk, dv) of the sm_90 backward with each main-kernel configuration of `configs`, between
+    the call's own pre- and postprocess kernels, every gradient buffer NaN-filled before its run."""
+    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+
+    backend = _backend()
+    pre, _, post = sm90_configs(q, k, v, None, args)
+    runs = []
+    for config in configs:
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        backward_sm90(backend, dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
+        torch.cuda.synchronize()
+        runs.append(grads)
+    return runs
+
+
 def _check(q, k, v, args: AttnArgs, with_dlse=False):
     ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
     out = ref_out.to(q.dtype)
@@ -288,14 +304,13 @@ def test_sm90_bwd_q_clusters_match_single_ctas(dtype, d, seqlen_q, seqlen_k):
     order) equal up to its float32 rounding."""
     from dataclasses import replace
 
-    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+    from cute_flash.backends.cute_bwd import sm90_configs
 
-    backend = _backend()
     torch.manual_seed(d + seqlen_q + seqlen_k)
     q = randn_in_nan((2, seqlen_q, 6, d), dtype, row_dim=1, pad_rows=3)
     k, v = nan_framed_kv(2, seqlen_k, 2, d, d, dtype)
     args = _args(d)
-    pre, main, post = sm90_configs(q, k, v, None, args)
+    main = sm90_configs(q, k, v, None, args)[1]
     assert main.cluster_q == (d <= 96), main.name
     main = replace(main, cluster_q=True)  # head dim 128 ships single CTAs; its clusters are checked all the same
     dq, dk, dv = _check(q, k, v, args)
@@ -303,13 +318,8 @@ def test_sm90_bwd_q_clusters_match_single_ctas(dtype, d, seqlen_q, seqlen_k):
     out, lse = ref_out.to(dtype), ref_lse.float()
     torch.manual_seed(1)
     dout = torch.randn_like(out)
-    runs = []
-    for config in (main, replace(main, cluster_q=False)):
-        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-        backward_sm90(backend, dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
-        torch.cuda.synchronize()
-        runs.append(grads)
-    (dq0, dk0, dv0), (dq1, dk1, dv1) = runs
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = _run_main_kernels((main, replace(main, cluster_q=False)),
+                                                         q, k, v, out, lse, dout, args)
     assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
     torch.testing.assert_close(dq0, dq1, atol=1e-3, rtol=2 * torch.finfo(dtype).eps)
 
@@ -324,24 +334,19 @@ def test_sm90_bwd_rotated_query_walks_match_walks_from_the_first_block(d, seqlen
     rotated by pairs) and 128 the kernel takes it all the same."""
     from dataclasses import replace
 
-    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+    from cute_flash.backends.cute_bwd import sm90_configs
 
-    backend = _backend()
     torch.manual_seed(d + seqlen_q + seqlen_k)
     q = randn_in_nan((2, seqlen_q, 6, d), torch.bfloat16, row_dim=1, pad_rows=3)
     k, v = nan_framed_kv(2, seqlen_k, 2, d, d, torch.bfloat16)
     args = _args(d)
-    pre, main, post = sm90_configs(q, k, v, None, args)
+    main = sm90_configs(q, k, v, None, args)[1]
     assert main.rotate_queries == (d >= 192), main.name
     ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
     out, lse = ref_out.to(q.dtype), ref_lse.float()
     dout = _transposed_dout(out.shape, q.dtype)
-    runs = []
-    for config in (replace(main, rotate_queries=True), replace(main, rotate_queries=False)):
-        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-        backward_sm90(backend, dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
-        torch.cuda.synchronize()
-        runs.append(grads)
+    runs = _run_main_kernels((replace(main, rotate_queries=True), replace(main, rotate_queries=False)),
+                             q, k, v, out, lse, dout, args)
     check_backward(runs[0], dout, None, q, k, v, out, lse, args)
     for name, a, b in zip(("dq", "dk", "dv"), *runs):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-2, msg=lambda m, name=name: f"{name}: {m}")
@@ -379,10 +384,8 @@ def test_sm90_bwd_profiling_build_writes_sane_records_and_the_same_gradients(cau
     the phase cycles of both warpgroups."""
     from dataclasses import replace
 
-    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
     from cute_flash.kernels.sm90.bwd_config import make_config
 
-    backend = _backend()
     b, s, h, d = 2, 1000, 4, 128
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     args = _args(d, causal=causal, window_right=0 if causal else -1)
@@ -390,14 +393,8 @@ def test_sm90_bwd_profiling_build_writes_sane_records_and_the_same_gradients(cau
     out, lse = ref_out.to(q.dtype), ref_lse.float()
     dout = torch.randn_like(out)
     shipped = make_config("bfloat16", d, d, causal=causal)
-    runs = {}
-    for config in (shipped, replace(shipped, timeline=True)):
-        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-        pre, _, post = sm90_configs(q, k, v, None, args)
-        backward_sm90(backend, dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
-        torch.cuda.synchronize()
-        runs[config.timeline] = grads
-    (dq0, dk0, dv0), (dq1, dk1, dv1) = runs[False], runs[True]
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = _run_main_kernels((shipped, replace(shipped, timeline=True)),
+                                                         q, k, v, out, lse, dout, args)
     assert torch.equal(dv0, dv1)
     assert (dq0.float() - dq1.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * dq0.float().abs().max()
     record_rows = torch.zeros(s, dtype=torch.bool)
