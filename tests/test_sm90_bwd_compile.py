@@ -533,8 +533,9 @@ def test_sm90_bwd_deterministic_turns_follow_the_launch_order(mask, seqlen_q, se
         visitors = [n for n in range(num_n) if m in walks[n]]
         n_min, n_max = map(int, info.n_block_range(seqlen, m))
         assert visitors == list(range(n_min, n_max))
-        by_turn = sorted(visitors, key=lambda n: int(info.key_block_turn(seqlen, n, m, cfg.shortest_first)))
-        assert [int(info.key_block_turn(seqlen, n, m, cfg.shortest_first)) for n in by_turn] == list(range(len(by_turn)))
+        turns = {n: int(info.key_block_turn(seqlen, n, m, cfg.shortest_first)) for n in visitors}
+        by_turn = sorted(visitors, key=turns.get)
+        assert [turns[n] for n in by_turn] == list(range(len(by_turn)))
         for first, then in zip(by_turn, by_turn[1:]):
             assert launch[first] < launch[then]
             if cfg.shortest_first:  # the step at which each CTA's walk reaches m

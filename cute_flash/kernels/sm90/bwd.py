@@ -89,11 +89,11 @@ start together hold few blocks of each head, and each turn waits for few hand-ov
 mask the turns and the launches go from the first key block up. With a causal mask or a window
 (`shortest_first`) they go from the last key block down, while every walk still goes up from
 its first query block: key block n + 1's walk starts at n's first query block or a later one,
-so it reaches each block no later than n, and in lockstep no CTA waits at all. (Walks from the last
-block down, with turns from the first key block up, made every CTA of a head reach a block at
-the same step and wait there for all the key blocks before it: `benchmarks/ab_deterministic.py`
-on an H200, hd 64, 2 x 8192 x 32 heads, causal: 414.9 TFLOP/s, shortest first 461.0; hd 128
-level.)
+so it reaches each block no later than n, and in lockstep no CTA waits at all. (Walks from the
+last block down, with turns from the first key block up, made every CTA of a head reach a
+block at the same step and wait there for all the key blocks before it:
+`benchmarks/ab_deterministic.py` on an H200, hd 64, 2 x 8192 x 32 heads, causal: 414.9
+TFLOP/s, shortest first 461.0; hd 128 level.)
 
 Rotated walks (`rotate_queries`: unmasked calls at head dims 192 and 256): CTA (or cluster) j of
 a (KV head, batch)'s p starts its walk at query block j * m_steps / p of its range and wraps

@@ -192,11 +192,11 @@ class Sm90BwdConfig:
     # dO the running CTAs read at one time stay few; the grid's last CTAs are then short ones.
     # On the H200 (bf16, causal, `benchmarks/ab_sm90_bwd.py`, 3 rounds): 2 x 4096 at head dim 128
     # 0.817-0.837 -> 0.772-0.788 ms, at 64 0.971-0.972 -> 0.937-0.997; 8 x 2048 at 128 level.
-    # Deterministic calls take this order with any mask: the key blocks of a head that start
-    # together (a section's first CTAs) hand each query block's turn down a chain, and each
-    # later CTA starts about one hand-over after the one before it. With each head's blocks in
-    # turn, the first wave held whole heads and every CTA of a head waited for all the blocks
-    # before it (H200, bf16, no mask, `benchmarks/ab_sm90_bwd.py`-style A/B of the main kernel,
+    # Deterministic calls take this order with any mask (reversed with one, `shortest_first`):
+    # the key blocks of a head that start together (a section's first CTAs) hand each query
+    # block's turn down a chain, and each later CTA starts about one hand-over after the one
+    # before it. With each head's blocks in turn, the first wave held whole heads and every CTA
+    # of a head waited for all the blocks before it (H200, bf16, no mask, `benchmarks/ab_sm90_bwd.py`-style A/B of the main kernel,
     # 3 rounds, TFLOP/s: head dim 128, 2 x 8192: 464-530 -> 529-542; 8 x 2048: 436-442 ->
     # 466-470; head dim 64, 2 x 8192: 398-448 -> 471-488). Without determinism and without a
     # mask it measured slower (head dim 128, 2 x 8192: 588 -> 558-578).

@@ -255,8 +255,7 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     free SMs. Elsewhere on an H200 (`benchmarks/ab_clusters.py --rounds 5`, bf16, 2048 / head dim
     heads, medians): head dim 128 2 x 8192 666.4 against 646.9 TFLOP/s (SM clock 1674 against
     1633 MHz at the 700 W cap), 8 x 2048 615.2 against 606.7; 96 (on its former 128 x 128 tile)
-    558.2 against 541.6; 192 716.9
-    against 709.1; 64 at 1 x 16384 534.1 against 530.1."""
+    558.2 against 541.6; 192 716.9 against 709.1; 64 at 1 x 16384 534.1 against 530.1."""
     if num_m_blocks % 2 or not config.pairs_query_blocks or config.tile_n < 96:
         return config
     return _clustered(config)
