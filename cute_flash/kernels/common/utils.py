@@ -109,6 +109,21 @@ def elem_pointer(t: cute.Tensor, i):
     return t.iterator + cute.crd2idx(i, t.layout)
 
 
+@cute.jit
+def wait_for_turn(sem_ptr, turn):
+    """Deterministic backward: spin until the int32 turn counter at `sem_ptr` (global memory)
+    reaches `turn`; the acquire loads (GPU scope) order this thread's later accesses after the
+    additions of the turns before. Called by one thread, which then meets the others."""
+    while cute.arch.load(sem_ptr, cutlass.Int32, sem="acquire", scope="gpu") != turn:
+        pass
+
+
+def pass_turn(sem_ptr, turn):
+    """Hand the turn counter at `sem_ptr` on to the turn after `turn` (release store, GPU scope),
+    once this turn's additions are visible (the caller fences them first)."""
+    cute.arch.store(sem_ptr, cutlass.Int32(turn + 1), sem="release", scope="gpu")
+
+
 def make_g2s_copy(dtype, num_threads: int, atom_cols: int) -> cute.TiledCopy:
     """cp.async tiled copy, 128 bits per thread, rows of `atom_cols` elements per thread row.
 

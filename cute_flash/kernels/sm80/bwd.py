@@ -50,7 +50,9 @@ from ..common.utils import (
     elem_pointer,
     exp2f,
     make_g2s_copy,
+    pass_turn,
     tanhf,
+    wait_for_turn,
 )
 from .bwd_config import Sm80BwdConfig
 from .mma import gemm_rs, gemm_ss
@@ -379,8 +381,7 @@ class FlashBwdSm80:
                 sem_ptr = elem_pointer(mdQsem, (batch, head, m_block * cfg.col_tiles + col_block))
                 turn = block_info.key_block_turn(seqlen, n_block, m_block)
                 if tidx == 0:
-                    while cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu") != turn:
-                        pass
+                    wait_for_turn(sem_ptr, turn)
                 cute.arch.barrier()
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                 if tdQcdQ[i][0] < rows_q:
@@ -391,7 +392,7 @@ class FlashBwdSm80:
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.barrier()
                 if tidx == 0:
-                    cute.arch.store(sem_ptr, Int32(turn + 1), sem="release", scope="gpu")
+                    pass_turn(sem_ptr, turn)
 
         # ---- epilogue: dK (scaled) and dV in the input dtype ----
         cute.arch.cp_async_wait_group(0)  # K and V land even when no query block sees them

@@ -136,7 +136,16 @@ from ..common.smem_layouts import (
 )
 from ..common.tiles import COPY_BITS
 from ..common.timeline import TimelineCounters
-from ..common.utils import acc_mn_view, elem_pointer, exp2f, make_s2g_copy, store_staged_rows, tanhf
+from ..common.utils import (
+    acc_mn_view,
+    elem_pointer,
+    exp2f,
+    make_s2g_copy,
+    pass_turn,
+    store_staged_rows,
+    tanhf,
+    wait_for_turn,
+)
 from .bwd_config import (
     LPT_GROUP_CTAS,
     NUM_CONSUMER_WGS,
@@ -636,12 +645,12 @@ class FlashBwdSm90(TimelineCounters):
         """The dQ writer warp (`dq_writer`): for every query block, in the consumers' order, each
         warpgroup's dQ tile goes to dQaccum by a TMA reduce-add as soon as it is written.
 
-        `deterministic`: the key blocks that see a query block add into it in key-block order.
-        The query block's turn counter (`mdQsem`) counts the key blocks that have added; this
-        CTA's turn is its key block's place among them (`BlockInfo.key_block_turn`), and its walk
-        visits the query blocks in the same order as every other CTA's, so the key block before
-        it never waits for it. Once both of this step's reduce-adds are complete, the counter
-        passes the turn on."""
+        `deterministic`: the key blocks that see a query block add into it in a fixed key-block
+        order. The query block's turn counter (`mdQsem`) counts the key blocks that have added;
+        this CTA's turn is its key block's place among them (`BlockInfo.key_block_turn`, from the
+        last key block down with `shortest_first`), and the CTA whose turn comes first is launched
+        first, so it never waits for this one. Once both of this step's reduce-adds are complete,
+        the counter passes the turn on."""
         cfg = self.cfg
         writer_and_wg = 32 + 128
         steps = walk.steps
@@ -657,8 +666,7 @@ class FlashBwdSm90(TimelineCounters):
                 cute.arch.barrier(barrier_id=self.dq_barrier(BARRIER_DQ_FULL, w, buf), number_of_threads=writer_and_wg)
                 if cutlass.const_expr(cfg.deterministic and w == 0):
                     if lane == 0:
-                        while cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu") != turn:
-                            pass
+                        wait_for_turn(sem_ptr, turn)
                     cute.arch.sync_warp()
                     # the reduce-adds (async proxy) come after the previous key block's
                     cute.arch.fence_proxy("async.global")
@@ -667,7 +675,7 @@ class FlashBwdSm90(TimelineCounters):
                     cute.arch.cp_async_bulk_wait_group(0)  # both reduce-adds performed, not just read
                     if lane == 0:
                         cute.arch.fence_proxy("async.global")
-                        cute.arch.store(sem_ptr, Int32(turn + 1), sem="release", scope="gpu")
+                        pass_turn(sem_ptr, turn)
                 else:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 if it + cfg.dq_stages < steps:  # the warpgroup writes this tile again only after this
