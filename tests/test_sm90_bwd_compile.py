@@ -135,7 +135,8 @@ def test_sm90_bwd_keys_n_tile_only_with_two_q_stages(flags):
 @pytest.mark.parametrize("dv", [192, 128])
 def test_sm90_bwd_dq_swap_everywhere_but_on_the_96_key_tile_without_a_mask(dv):
     # the dQ tile's stores conflict-free; on the 96-key tile without a mask they measured 2% slower
-    for d in (64, 96, 128, 256):
+    # (and head dim 96's 48-column tiles have no pairs to swap: test_sm90_bwd_dq_split_is_...)
+    for d in (64, 128, 256):
         assert bc.make_config("bfloat16", d, d).dq_swap and bc.make_config("float16", d, d, causal=True).dq_swap
     assert not bc.make_config("bfloat16", 192, dv).dq_swap
     assert not bc.make_config("bfloat16", 192, dv, varlen_q=True, varlen_k=True).dq_swap
@@ -297,14 +298,19 @@ def test_sm90_bwd_dq_fence_late_needs_the_writer_warp():
         bc.make_config("bfloat16", 128, 128, dq_writer=False, dq_fence_late=True)
 
 
-def test_sm90_bwd_dq_split_is_the_hd64_and_hd128_default_and_needs_one_of_them():
+def test_sm90_bwd_dq_split_is_the_default_of_the_64_row_tiles_up_to_hd128():
     assert bc.make_config("bfloat16", 128, 128).dq_split
     assert bc.make_config("bfloat16", 120, 120).dq_split  # padded to 128
     assert bc.make_config("bfloat16", 64, 64, softcap=True).dq_split  # the 64-row tile
     assert not bc.make_config("bfloat16", 64, 64).dq_split  # the 128-row tile splits dQ's rows
-    assert not bc.make_config("bfloat16", 96, 96).dq_split
-    with pytest.raises(ValueError, match="dq_split"):
-        bc.make_config("bfloat16", 96, 96, dq_split=True)
+    # head dim 96: 48-column dQ tiles, whose halves dq_swap cannot pair
+    for flags in ({}, {"causal": True}, {"local": True, "softcap": True}, {"deterministic": True}):
+        config = bc.make_config("bfloat16", 96, 96, **flags)
+        assert config.dq_split and config.dq_cols == 48 and not config.dq_swap and config.stats_early, flags
+    assert bc.make_config("bfloat16", 80, 80).dq_split  # padded to 96
+    assert bc.make_config("bfloat16", 96, 96, dq_split=False).dq_swap  # 96-column partials
+    with pytest.raises(ValueError, match="dq_swap"):
+        bc.make_config("bfloat16", 96, 96, dq_swap=True)
     assert bc.make_config("bfloat16", 64, 64).dq_writer and bc.make_config("bfloat16", 128, 128).dq_writer
     split, per_wg = bc.make_config("bfloat16", 128, 128), bc.make_config("bfloat16", 128, 128, dq_split=False)
     # half the fp32 dQ staging, one more dS^T buffer
@@ -501,7 +507,11 @@ def test_sm90_bwd_compiles_without_spills_with_hgmma_tma_setmaxnreg_and_no_wgmma
     loop = main_loop((tmp_path / config.name / "kernel.sass").read_text())
     assert loop
     if not config.timeline:
-        assert descriptors_moved_from_thread_registers(loop) == 0
+        # (head dim 96 with dq_split: ptxas keeps one dO descriptor base of the dV GEMM in a
+        # thread register and moves it over once per step, before 2 of its 4 HGMMAs, at 168
+        # registers; the 48-column dQ GEMM's own descriptors stay uniform)
+        allowed = 2 if config.head_dim == 96 and config.dq_split else 0
+        assert descriptors_moved_from_thread_registers(loop) <= allowed
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "local"])

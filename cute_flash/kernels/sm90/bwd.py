@@ -39,8 +39,8 @@ formed in registers and dK/dV are written once, in the input dtype.
    the next query block that warp waits for the previous reduce-add to have read it. Scalar
    `red.add`s from registers, 64 per thread and block, kept the L2 so busy that the kernel ran
    at under a third of this speed.
-   Two refinements (`bwd_config.py`; the shipped tiles use both at head dims 64 and 128 and
-   the writer alone at 96): with `dq_split` (head dims 64, 128) both warpgroups' dS^T rows
+   Two refinements (`bwd_config.py`; the shipped tiles use both at head dims 64, 96 and
+   128): with `dq_split` both warpgroups' dS^T rows
    are written before either multiplies (one barrier of both, two dS^T buffers so that the next
    step's rows never overwrite those the other warpgroup still reads) and each computes half of
    dQ's columns over all 128 keys: one dQ tile per block instead of two partials. With
@@ -240,8 +240,10 @@ class FlashBwdSm90(TimelineCounters):
         warpgroup reads half of their columns as an MN-major operand (dK, dV, dQ), so the atom
         must tile that half: at head dim 192 the 96 columns take 32-column atoms (64-byte
         swizzle) where a whole row would take 64-column ones. With `keys_n` only K's halves are
-        read (dQ's B operand); Q and dO keep whole-row atoms."""
+        read (dQ's B operand); Q and dO keep whole-row atoms. So also K's at head dim 96 with
+        `dq_split`: 16-column atoms (32-byte swizzle), three to a warpgroup's 48 columns."""
         halves = self.cfg.dkv_split and (of_k or not self.cfg.keys_n)
+        halves = halves or (of_k and self.cfg.dq_split and self.cfg.head_dim == 96)
         return wgmma_smem_layout_atom(self.dtype, cols // NUM_CONSUMER_WGS if halves else cols)
 
     def stat_layout(self, stages: int) -> cute.Layout:

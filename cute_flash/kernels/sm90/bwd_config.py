@@ -91,7 +91,7 @@ class BwdTile(NamedTuple):
 TILES = {
     64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True,
                 dq_fence_late=("plain", "masked"), dq_stages=2),
-    96: BwdTile(64, 2, dq_writer=True, overlap_dv=True, dq_stages=2),
+    96: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain", "masked"), dq_stages=2),
     128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain",),
                  dq_fence_late=("masked",), dk_behind_dq=True),
     # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); at 256 one
@@ -134,8 +134,13 @@ class Sm90BwdConfig:
     # of one partial per warpgroup over its own keys: half the reduce-add traffic and half the dQ
     # registers, for a barrier of both warpgroups and a second dS^T buffer per step. Head dims
     # 128 (a warpgroup's half of K is one 64-column swizzle atom) and 64 (half of one atom: the
-    # dQ GEMM's K operand starts 64 bytes into the 128-byte swizzled rows); at 96 a half would be
-    # one and a half of its 32-column atoms.
+    # dQ GEMM's K operand starts 64 bytes into the 128-byte swizzled rows); at 96, where a half
+    # would be one and a half of the row's 32-column atoms, K takes 16-column (32-byte) atoms
+    # (`FlashBwdSm90.split_atom`) and the dQ tiles are 48 columns wide, without `dq_swap`. On an
+    # H200 (bf16, 21 heads, the backward's three kernels, `bwd_variant_ab`-style interleaved A/B,
+    # 3 rounds, TFLOP/s), with `stats_early`: 2 x 8192 453-465 -> 499-507, causal 405-435 ->
+    # 469-478; 8 x 2048 402-409 -> 434-451, causal 344-357 -> 351-385. (dq_split alone: 450-479,
+    # 439-453, 411-428, 366-371.)
     dq_split: bool = False
     # The reduce-adds of dQ issued by a warp of their own (the producer warpgroup's second):
     # a consumer warpgroup writes its tile, arrives on a named barrier and goes on; it waits only
@@ -161,7 +166,9 @@ class Sm90BwdConfig:
     # H200 (b2 x 4096, bf16, the backend's bwd under do_bench, best of 3) 1.306 -> 1.283 ms at
     # head dim 128 (16 heads), causal 0.811 -> 0.808; at 64 (32 heads) 1.722 -> 1.865 ms, causal
     # 0.994 -> 1.076, and with `dq_fence_late` slower than either alone: shipped at head dim 128
-    # without a causal or window mask only.
+    # without a causal or window mask, and at 96 with `dq_split` (see there) with any mask, where
+    # it measured +5-10% (causal 2 x 8192 439-453 -> 469-478 TFLOP/s; with `dq_fence_late` too
+    # 434-446).
     stats_early: bool = False
     # With `dq_writer`: the fence and the arrival that hand a dQ tile to the writer warp come
     # after the next block's S^T and dP^T are issued (or after the loop), so that the tile's
@@ -330,8 +337,8 @@ class Sm90BwdConfig:
             raise ValueError("dv_after_ds and overlap_dv exclude each other")
         if self.dq_rows and self.dq_split:
             raise ValueError("dq_rows and dq_split exclude each other")
-        if self.dq_split and self.head_dim not in (64, 128, 192, 256):
-            raise ValueError(f"dq_split needs head dim 64, 128, 192 or 256; got {self.head_dim}")
+        if self.dq_split and self.head_dim not in (64, 96, 128, 192, 256):
+            raise ValueError(f"dq_split needs head dim 64, 96, 128, 192 or 256; got {self.head_dim}")
         if self.dk_behind_dq and self.dk_after_dq:
             raise ValueError("dk_behind_dq and dk_after_dq exclude each other")
         if self.dq_fence_late and not self.dq_writer:
@@ -517,7 +524,9 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dkv_staged", True)
     # not on the 96-key tile without a mask, where it measured 2% slower (`dq_swap`)
     swap_asked = "dq_swap" in flags
-    flags.setdefault("dq_swap", not flags["keys_n"] or masked)
+    # (its pairs of 16-column halves need 32-column dQ tiles: not the 48 of head dim 96 with dq_split)
+    dq_cols = hd // NUM_CONSUMER_WGS if flags["dq_split"] else hd
+    flags.setdefault("dq_swap", (not flags["keys_n"] or masked) and dq_cols % 32 == 0)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if fields["keys_n"] and not keys_n_asked and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # 96 keys need two Q stages: with one (Q, dO) stage the backward measured 1.3x slower
