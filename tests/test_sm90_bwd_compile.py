@@ -291,9 +291,12 @@ def test_sm90_bwd_two_dq_tiles_at_head_dims_64_and_96_with_the_writer_warp():
 
 def test_sm90_bwd_dq_fence_late_needs_the_writer_warp():
     assert bc.make_config("bfloat16", 64, 64).dq_fence_late
-    assert bc.make_config("bfloat16", 128, 128, causal=True).dq_fence_late
-    assert not bc.make_config("bfloat16", 128, 128).dq_fence_late
-    assert not bc.make_config("bfloat16", 128, 128, causal=True, dq_writer=False).dq_fence_late
+    assert bc.make_config("bfloat16", 64, 64, causal=True).dq_fence_late
+    # head dim 128 reads the LSE rows early instead, with any mask
+    for flags in ({}, {"causal": True}, {"local": True}, {"causal": True, "deterministic": True}):
+        config = bc.make_config("bfloat16", 128, 128, **flags)
+        assert config.stats_early and not config.dq_fence_late, flags
+    assert not bc.make_config("bfloat16", 64, 64, causal=True, dq_writer=False).dq_fence_late
     with pytest.raises(ValueError, match="dq_fence_late"):
         bc.make_config("bfloat16", 128, 128, dq_writer=False, dq_fence_late=True)
 

@@ -92,8 +92,8 @@ TILES = {
     64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True,
                 dq_fence_late=("plain", "masked"), dq_stages=2),
     96: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain", "masked"), dq_stages=2),
-    128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain",),
-                 dq_fence_late=("masked",), dk_behind_dq=True),
+    128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain", "masked"),
+                 dk_behind_dq=True),
     # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); at 256 one
     # stage of (Q, dO): two do not fit next to K, V, P^T, dS^T and the dQ tiles
     # ... and at 192 96 keys per CTA (`keys_n`; with V's head dim 192 one dO stage, `single_dout`)
@@ -165,16 +165,21 @@ class Sm90BwdConfig:
     # issued instead of next to their first use, so that P^T does not wait for the loads. On an
     # H200 (b2 x 4096, bf16, the backend's bwd under do_bench, best of 3) 1.306 -> 1.283 ms at
     # head dim 128 (16 heads), causal 0.811 -> 0.808; at 64 (32 heads) 1.722 -> 1.865 ms, causal
-    # 0.994 -> 1.076, and with `dq_fence_late` slower than either alone: shipped at head dim 128
-    # without a causal or window mask, and at 96 with `dq_split` (see there) with any mask, where
-    # it measured +5-10% (causal 2 x 8192 439-453 -> 469-478 TFLOP/s; with `dq_fence_late` too
-    # 434-446).
+    # 0.994 -> 1.076, and with `dq_fence_late` slower than either alone. Shipped at head dims 96
+    # (with `dq_split`, see there: causal 2 x 8192 439-453 -> 469-478 TFLOP/s; with
+    # `dq_fence_late` too 434-446) and 128, with any mask. At 128 with a causal mask it replaced
+    # `dq_fence_late` (H200, bf16, 16 heads, the backward's three kernels, interleaved A/B, 5
+    # rounds, TFLOP/s): 2 x 8192 534-542 -> 560-573, 8 x 2048 419-428 -> 439-455, 1 x 16384
+    # 542-562 -> 576-593 (at a lower clock: fewer cycles); dq_fence_late off alone 525-547,
+    # 414-430, 554-560. A window of 1024 each side: 1.333-1.376 -> 1.322-1.326 ms; deterministic
+    # calls level (causal 2.675-2.678 against 2.695-2.762 ms).
     stats_early: bool = False
     # With `dq_writer`: the fence and the arrival that hand a dQ tile to the writer warp come
     # after the next block's S^T and dP^T are issued (or after the loop), so that the tile's
     # stores drain meanwhile instead of holding up the warpgroup right after they are issued.
     # Same measurements: 1.722 -> 1.687 ms at head dim 64, causal 0.994 -> 0.971; at 128 1.306 ->
-    # 1.328 ms, causal 0.811 -> 0.794: shipped at 64, and at 128 with a causal or window mask.
+    # 1.328 ms, causal 0.811 -> 0.794. Shipped at 64; at 128 it was shipped with a causal or
+    # window mask until `stats_early` measured faster there (see there).
     dq_fence_late: bool = False
     # Without `dk_after_dq`: dK += dS^T Q issued after the dQ GEMM instead of before dS^T goes to
     # shared memory, and waited for at the end of the block: the dQ GEMM's wait no longer waits
@@ -594,7 +599,7 @@ def shipped_configs() -> list:
         make_config("bfloat16", 128, 128, causal=True, overlap_dv=False),
         make_config("float16", 64, 64, local=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 128, 128, stats_early=False),
-        make_config("bfloat16", 128, 128, causal=True, stats_early=True, dq_fence_late=True),
+        make_config("bfloat16", 128, 128, causal=True, stats_early=False, dq_fence_late=True),  # the former causal schedule
     ]
     # ordered dQ reduce-adds (`deterministic`) on each kind of tile
     configs += [make_config("bfloat16", 128, 128, causal=True, deterministic=True),
