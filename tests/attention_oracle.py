@@ -207,3 +207,17 @@ def check_backward(grads, dout, dlse, q, k, v, ref_out, ref_lse, args: AttnArgs)
     torch_grads = reference_attention_backward(dout, q, k, v, out_t, lse_t, dlse, args, compute_dtype=q.dtype)
     for name, x, ref, ref_torch in zip(("dq", "dk", "dv"), grads, refs, torch_grads):
         assert_within_rule(name, x, ref, ref_torch)
+
+
+def check_repeated_backward(backward, q, k, v, args: AttnArgs, runs: int) -> None:
+    """`runs` calls of `backward(dout, out, lse)` -> (dq, dk, dv) on one set of inputs, out and LSE
+    from the oracle: the first checked against it, every other one bit-identical to the first
+    (a deterministic backward)."""
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = torch.randn_like(out)
+    first = backward(dout, out, lse)
+    check_backward(first, dout, None, q, k, v, out, lse, args)
+    for _ in range(runs - 1):
+        again = backward(dout, out, lse)
+        assert all(torch.equal(a, c) for a, c in zip(first, again)), "deterministic backward differs between runs"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attention_oracle import (
-    backend_or_skip, check_backward, inputs_beyond_4gib, nan_framed_kv, poisoned_backward_case,
+    backend_or_skip, check_backward, check_repeated_backward, inputs_beyond_4gib, nan_framed_kv, poisoned_backward_case,
     randn_in_nan, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
@@ -62,18 +62,14 @@ def _check(q, k, v, args: AttnArgs, with_dlse=False, backend=None):
 def _check_runs(q, k, v, args: AttnArgs, deterministic: bool, runs: int):
     """`runs` backward calls (NaN-poisoned gradients each time): the first against the oracle,
     and every other one bit-identical to it."""
-    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
-    out, lse = ref_out.to(q.dtype), ref_lse.float()
-    dout = torch.randn_like(out)
-    grads = []
-    for _ in range(runs):
+
+    def backward(dout, out, lse):
         dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
         _backend().bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, deterministic)
         torch.cuda.synchronize()
-        grads.append((dq, dk, dv))
-    check_backward(grads[0], dout, None, q, k, v, out, lse, args)
-    for again in grads[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(grads[0], again)), "deterministic backward differs between runs"
+        return dq, dk, dv
+
+    check_repeated_backward(backward, q, k, v, args, runs)
 
 
 def _args(d, **kw):
