@@ -7,10 +7,11 @@ The profiling build (`Sm90FwdConfig.timeline`) stamps each tile with the global 
 (start, Q in, first key block done, last key block done, epilogue done) and counts, in thread 0
 of each consumer warpgroup, the SM clock cycles of each phase of a later key block (`PHASES`),
 summed over the tile's blocks. Its records overwrite the LSE of each tile's first 32 query rows;
-O is unchanged. Per case this prints the forward's milliseconds (do_bench median) with the
-shipped and the profiling build, the SM clock, per tile the mean microseconds before its first
-block, of its first block, of a later block and of its epilogue, the SMs' time inside tiles,
-between them and idle at the end, and per warpgroup the cycles per block of each phase.
+O is unchanged. Per case this prints the forward's milliseconds (do_bench medians, the builds
+timed in turns) with the shipped and the profiling build, the SM clock, per tile the mean
+microseconds before its first block, of its first block, of a later block and of its epilogue,
+the SMs' time inside tiles, between them and idle at the end, and per warpgroup the cycles per
+block of each phase.
 `--set flag=value` overrides configuration flags.
 """
 
@@ -92,8 +93,8 @@ def tile_records(lse, tile_m: int):
 
 def on_gpu(opts) -> None:
     import torch
-    from triton.testing import do_bench
 
+    from bench_lib import interleaved_rounds
     from cute_flash.backends import get_backend
     from cute_flash.backends.base import AttnArgs
 
@@ -115,10 +116,8 @@ def on_gpu(opts) -> None:
                 fn = backend.cache.get(config, backend.arch())[0]
                 backend.launch(fn, q, k, v, out, lse, args, ka, extra=backend.launch_extra(config, q, k, args, ka))
 
-            times = {"shipped": [], "profiling": []}
-            for _ in range(opts.rounds):
-                times["shipped"].append(do_bench(lambda: run(shipped), rep=80))
-                times["profiling"].append(do_bench(lambda: run(profiled), rep=80))
+            times = interleaved_rounds({"shipped": lambda: run(shipped), "profiling": lambda: run(profiled)},
+                                       opts.rounds, rep_ms=80)
             run(profiled)
             torch.cuda.synchronize()
             records = tile_records(lse, profiled.tile_m)
