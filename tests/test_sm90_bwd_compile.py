@@ -135,7 +135,8 @@ def test_sm90_bwd_keys_n_tile_only_with_two_q_stages(flags):
 @pytest.mark.parametrize("dv", [192, 128])
 def test_sm90_bwd_dq_swap_everywhere_but_on_the_96_key_tile_without_a_mask(dv):
     # the dQ tile's stores conflict-free; on the 96-key tile without a mask they measured 2% slower
-    # (and head dim 96's 48-column tiles have no pairs to swap: test_sm90_bwd_dq_split_is_...)
+    # (head dim 96's 48-column dQ tiles have no pairs to swap: see
+    # test_sm90_bwd_dq_split_is_the_default_of_the_64_row_tiles_up_to_hd128)
     for d in (64, 128, 256):
         assert bc.make_config("bfloat16", d, d).dq_swap and bc.make_config("float16", d, d, causal=True).dq_swap
     assert not bc.make_config("bfloat16", 192, dv).dq_swap

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from attention_oracle import (
-    backend_or_skip, check_backward, check_repeated_backward, inputs_beyond_4gib, nan_framed_kv, poisoned_backward_case, randn_in_nan,
-    strided_qkv,
+    backend_or_skip, check_backward, check_repeated_backward, inputs_beyond_4gib, nan_framed_kv,
+    poisoned_backward_case, randn_in_nan, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention

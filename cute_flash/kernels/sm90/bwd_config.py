@@ -208,10 +208,11 @@ class Sm90BwdConfig:
     # the key blocks of a head that start together (a section's first CTAs) hand each query
     # block's turn down a chain, and each later CTA starts about one hand-over after the one
     # before it. With each head's blocks in turn, the first wave held whole heads and every CTA
-    # of a head waited for all the blocks before it (H200, bf16, no mask, `benchmarks/ab_sm90_bwd.py`-style A/B of the main kernel,
-    # 3 rounds, TFLOP/s: head dim 128, 2 x 8192: 464-530 -> 529-542; 8 x 2048: 436-442 ->
-    # 466-470; head dim 64, 2 x 8192: 398-448 -> 471-488). Without determinism and without a
-    # mask it measured slower (head dim 128, 2 x 8192: 588 -> 558-578).
+    # of a head waited for all the blocks before it (H200, bf16, no mask, a
+    # `benchmarks/ab_sm90_bwd.py`-style A/B of the main kernel, 3 rounds, TFLOP/s: head dim 128,
+    # 2 x 8192: 464-530 -> 529-542; 8 x 2048: 436-442 -> 466-470; head dim 64, 2 x 8192: 398-448
+    # -> 471-488). Without determinism and without a mask it measured slower (head dim 128,
+    # 2 x 8192: 588 -> 558-578).
     lpt: bool = False
     # dK and dV staged in the shared memory of Q and dO (free once the last block is done) by
     # stmatrix and stored from there 128 bits per thread and copy, instead of 32-bit stores
@@ -342,8 +343,6 @@ class Sm90BwdConfig:
             raise ValueError("dv_after_ds and overlap_dv exclude each other")
         if self.dq_rows and self.dq_split:
             raise ValueError("dq_rows and dq_split exclude each other")
-        if self.dq_split and self.head_dim not in (64, 96, 128, 192, 256):
-            raise ValueError(f"dq_split needs head dim 64, 96, 128, 192 or 256; got {self.head_dim}")
         if self.dk_behind_dq and self.dk_after_dq:
             raise ValueError("dk_behind_dq and dk_after_dq exclude each other")
         if self.dq_fence_late and not self.dq_writer:
@@ -599,7 +598,8 @@ def shipped_configs() -> list:
         make_config("bfloat16", 128, 128, causal=True, overlap_dv=False),
         make_config("float16", 64, 64, local=True, varlen_q=True, varlen_k=True, seqused_k=True),
         make_config("bfloat16", 128, 128, stats_early=False),
-        make_config("bfloat16", 128, 128, causal=True, stats_early=False, dq_fence_late=True),  # the former causal schedule
+        # the causal schedule before `stats_early` replaced `dq_fence_late` there
+        make_config("bfloat16", 128, 128, causal=True, stats_early=False, dq_fence_late=True),
     ]
     # ordered dQ reduce-adds (`deterministic`) on each kind of tile
     configs += [make_config("bfloat16", 128, 128, causal=True, deterministic=True),
