@@ -528,9 +528,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dkv_staged", True)
     # not on the 96-key tile without a mask, where it measured 2% slower (`dq_swap`)
     swap_asked = "dq_swap" in flags
-    # (its pairs of 16-column halves need 32-column dQ tiles: not the 48 of head dim 96 with dq_split)
-    dq_cols = hd // NUM_CONSUMER_WGS if flags["dq_split"] else hd
-    flags.setdefault("dq_swap", (not flags["keys_n"] or masked) and dq_cols % 32 == 0)
+    flags.setdefault("dq_swap", not flags["keys_n"] or masked)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if fields["keys_n"] and not keys_n_asked and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # 96 keys need two Q stages: with one (Q, dO) stage the backward measured 1.3x slower
@@ -540,6 +538,9 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
         if _unchecked(fields).smem_bytes > SMEM_LIMIT:
             fields["keys_n"] = fields["single_dout"] = False
             fields["dq_swap"] = fields["dq_swap"] if swap_asked else True
+    if not swap_asked and _unchecked(fields).dq_cols % 32:
+        # its pairs of 16-column halves need 32-column dQ tiles: not head dim 96's 48 (`dq_split`)
+        fields["dq_swap"] = False
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
