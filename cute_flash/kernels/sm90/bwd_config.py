@@ -263,7 +263,13 @@ class Sm90BwdConfig:
     # ms): head dim 64 5.50-5.57 -> 5.27-5.30, causal 2.90-2.91 -> 2.70-2.77; 128 4.75-4.77 ->
     # 4.49-4.63, causal 2.54-2.56 -> 2.49-2.52; 256 level (7.02-7.10 / 7.01-7.04, causal
     # 3.25-3.29 / 3.26-3.32); 192 (the 96-key tile, 5 rounds) causal 2.74-2.80 -> 2.66-2.76 but
-    # without a mask 5.67-5.84 -> 5.79-5.88, where it does not ship. ncu at head dim 128: the
+    # without a mask 5.67-5.84 -> 5.79-5.88. Since unmasked calls on the column-split tiles walk
+    # their query blocks rotated (`rotate_queries`), it costs there: head dim 256 without a mask
+    # (H200, bf16, 8 heads, the backward's three kernels, interleaved A/B, 5 rounds, ms) 2 x 8192
+    # 7.19-7.29 with it against 6.54-6.65 without (one outlier 7.74), 8 x 2048 1.96-1.99 against
+    # 1.78-1.86, 1 x 16384 14.59-15.34 against 13.25-13.53; causal level (3.26-3.47 / 3.30-3.77,
+    # 1.01-1.09 / 1.02-1.04); 192 without a mask level (5.56-5.61 without it / 5.38-6.34). So
+    # `make_config` gives it to masked calls only on those tiles. ncu at head dim 128: the
     # store bank conflicts of the main kernel 68.8 M -> 0.5 M, its shared-store wavefronts
     # 247 M -> 166 M. The other conflict-free layout, the tiles in 32-byte swizzle atoms (8
     # columns, so TMA boxes 8 columns wide: four times the reduce-adds), measured slower than
@@ -526,9 +532,9 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     # Q's head dim sets the width of the dQ tiles whose reduce-adds the rotation spreads out
     flags.setdefault("rotate_queries", not masked and hd >= ROTATE_FROM_HEADDIM and not flags.get("deterministic"))
     flags.setdefault("dkv_staged", True)
-    # not on the 96-key tile without a mask, where it measured 2% slower (`dq_swap`)
+    # not on the column-split tiles without a mask, where it measured slower (`dq_swap`)
     swap_asked = "dq_swap" in flags
-    flags.setdefault("dq_swap", not flags["keys_n"] or masked)
+    flags.setdefault("dq_swap", not flags["dkv_split"] or masked)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if fields["keys_n"] and not keys_n_asked and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # 96 keys need two Q stages: with one (Q, dO) stage the backward measured 1.3x slower
@@ -537,7 +543,6 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
         fields.setdefault("single_dout", True)
         if _unchecked(fields).smem_bytes > SMEM_LIMIT:
             fields["keys_n"] = fields["single_dout"] = False
-            fields["dq_swap"] = fields["dq_swap"] if swap_asked else True
     if not swap_asked and _unchecked(fields).dq_cols % 32:
         # its pairs of 16-column halves need 32-column dQ tiles: not head dim 96's 48 (`dq_split`)
         fields["dq_swap"] = False
