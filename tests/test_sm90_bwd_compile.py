@@ -133,23 +133,26 @@ def test_sm90_bwd_keys_n_tile_only_with_two_q_stages(flags):
 
 
 @pytest.mark.parametrize("dv", [192, 128])
-def test_sm90_bwd_dq_swap_everywhere_but_on_the_column_split_tiles_without_a_mask(dv):
-    # the dQ tile's stores conflict-free; on the column-split tiles (head dims 192 and 256), whose
-    # unmasked calls walk their query blocks rotated, unmasked calls measured slower with it
-    # (head dim 96's 48-column dQ tiles have no pairs to swap: see
+def test_sm90_bwd_dq_swap_everywhere_but_on_rotated_walks_and_the_96_key_tile_without_a_mask(dv):
+    # the dQ tile's stores conflict-free; with the walks rotated (unmasked calls on the column-split
+    # tiles, head dims 192 and 256, not deterministic) and on the 96-key tile without a mask they
+    # measured slower (head dim 96's 48-column dQ tiles have no pairs to swap: see
     # test_sm90_bwd_dq_split_is_the_default_of_the_64_row_tiles_up_to_hd128)
     for d in (64, 128):
         assert bc.make_config("bfloat16", d, d).dq_swap and bc.make_config("float16", d, d, causal=True).dq_swap
     for d, d_v in ((192, dv), (256, 256), (256, dv), (dv, 256)):
-        assert not bc.make_config("bfloat16", d, d_v).dq_swap
-        assert not bc.make_config("bfloat16", d, d_v, varlen_q=True, varlen_k=True).dq_swap
-        assert not bc.make_config("bfloat16", d, d_v, deterministic=True).dq_swap
+        unmasked = bc.make_config("bfloat16", d, d_v)  # rotated from Q's head dim 192 on
+        assert unmasked.rotate_queries == (d >= 192) and unmasked.dq_swap == (d < 192)
+        assert bc.make_config("bfloat16", d, d_v, varlen_q=True, varlen_k=True).dq_swap == (d < 192)
         assert bc.make_config("bfloat16", d, d_v, causal=True).dq_swap
         assert bc.make_config("bfloat16", d, d_v, local=True, softcap=True).dq_swap
-    # the 64-key tile a refused single_dout falls back to takes the same rule
+        deterministic = bc.make_config("bfloat16", d, d_v, deterministic=True)
+        assert not deterministic.rotate_queries and deterministic.dq_swap == (not deterministic.keys_n)
+    # the 64-key tile a refused single_dout falls back to: the same rule
     fallback = bc.make_config("bfloat16", 192, 192, single_dout=False)
     assert not fallback.keys_n and not fallback.dq_swap
-    assert bc.make_config("bfloat16", 192, 192, single_dout=False, causal=True).dq_swap
+    assert bc.make_config("bfloat16", 192, 192, single_dout=False, deterministic=True).dq_swap
+    assert not bc.make_config("bfloat16", 192, 192, single_dout=False, dq_swap=False, causal=True).dq_swap
     assert bc.make_config("bfloat16", 192, dv, dq_swap=True).dq_swap
 
 

@@ -268,8 +268,10 @@ class Sm90BwdConfig:
     # (H200, bf16, 8 heads, the backward's three kernels, interleaved A/B, 5 rounds, ms) 2 x 8192
     # 7.19-7.29 with it against 6.54-6.65 without (one outlier 7.74), 8 x 2048 1.96-1.99 against
     # 1.78-1.86, 1 x 16384 14.59-15.34 against 13.25-13.53; causal level (3.26-3.47 / 3.30-3.77,
-    # 1.01-1.09 / 1.02-1.04); 192 without a mask level (5.56-5.61 without it / 5.38-6.34). So
-    # `make_config` gives it to masked calls only on those tiles. ncu at head dim 128: the
+    # 1.01-1.09 / 1.02-1.04); deterministic calls, whose walks are not rotated, level (2 x 8192,
+    # 3 rounds: 7.78-7.98 with it, 7.94-7.98 without); 192 without a mask level (5.56-5.61
+    # without it / 5.38-6.34 with it). So `make_config` turns it off on rotated walks (and on the
+    # 96-key tile without a mask, as before). ncu at head dim 128: the
     # store bank conflicts of the main kernel 68.8 M -> 0.5 M, its shared-store wavefronts
     # 247 M -> 166 M. The other conflict-free layout, the tiles in 32-byte swizzle atoms (8
     # columns, so TMA boxes 8 columns wide: four times the reduce-adds), measured slower than
@@ -532,9 +534,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     # Q's head dim sets the width of the dQ tiles whose reduce-adds the rotation spreads out
     flags.setdefault("rotate_queries", not masked and hd >= ROTATE_FROM_HEADDIM and not flags.get("deterministic"))
     flags.setdefault("dkv_staged", True)
-    # not on the column-split tiles without a mask, where it measured slower (`dq_swap`)
     swap_asked = "dq_swap" in flags
-    flags.setdefault("dq_swap", not flags["dkv_split"] or masked)
     fields = dict(dtype=dtype, head_dim=hd, head_dim_v=hdv, tile_m=tile.tile_m, num_stages=tile.num_stages, **flags)
     if fields["keys_n"] and not keys_n_asked and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # 96 keys need two Q stages: with one (Q, dO) stage the backward measured 1.3x slower
@@ -543,9 +543,12 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
         fields.setdefault("single_dout", True)
         if _unchecked(fields).smem_bytes > SMEM_LIMIT:
             fields["keys_n"] = fields["single_dout"] = False
-    if not swap_asked and _unchecked(fields).dq_cols % 32:
-        # its pairs of 16-column halves need 32-column dQ tiles: not head dim 96's 48 (`dq_split`)
-        fields["dq_swap"] = False
+    if not swap_asked:
+        # not where it measured slower, on rotated walks and on the 96-key tile without a mask
+        # (`dq_swap`); its pairs of 16-column halves need 32-column dQ tiles: not head dim 96's 48
+        # (`dq_split`)
+        fields["dq_swap"] = ((masked or not (fields["rotate_queries"] or fields["keys_n"]))
+                             and _unchecked(fields).dq_cols % 32 == 0)
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
