@@ -379,7 +379,7 @@ def test_sm90_bwd_call_with_dlse_and_varlen_selects_matching_pre_and_post():
 def test_sm90_bwd_deterministic_calls_keep_their_tile_without_cluster_or_rotation(d):
     """deterministic=True: the call's tile with ordered dQ reduce-adds, issued by the writer warp,
     on walks that all start at the first query block (no Q/dO cluster, no rotation), in lpt's
-    grid order."""
+    grid order; and with `dq_swap` where only the rotation had turned it off (head dim 256)."""
     from cute_flash.backends.cute_bwd import sm90_configs
 
     q = torch.empty(2, 8192, 2, d, dtype=torch.bfloat16)
@@ -387,7 +387,10 @@ def test_sm90_bwd_deterministic_calls_keep_their_tile_without_cluster_or_rotatio
     main = sm90_configs(q, q, q, None, AttnArgs(0.1), deterministic=True)[1]
     assert main.deterministic and main.dq_writer and not main.cluster_q and not main.rotate_queries
     assert "deterministic" in main.name
-    assert replace(plain, cluster_q=False, rotate_queries=False, lpt=True, deterministic=True) == main
+    assert main.dq_swap == (plain.dq_swap or (plain.rotate_queries and not plain.keys_n))
+    assert main.dq_swap == (d in (64, 128, 256))  # not 96's 48-column dQ tiles, nor the 96-key tile
+    assert replace(plain, cluster_q=False, rotate_queries=False, lpt=True, deterministic=True,
+                   dq_swap=main.dq_swap) == main
     assert bc.with_cluster_q(main, 64) is main
     assert not main.shortest_first
     causal = AttnArgs(0.1, causal=True, window_right=0)
