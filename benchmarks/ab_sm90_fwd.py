@@ -1,5 +1,5 @@
-"""A/B of the sm_90 forward's softmax schedule: the shipped kernels (lazy rescale) against the eager
-rescale, next to flash-attn-4.
+"""A/B of the sm_90 forward's softmax schedule: the shipped kernels (lazy rescale, eager at head dim
+64) against the other rescale, next to flash-attn-4.
 
     python benchmarks/ab_sm90_fwd.py                      # GPU: check, then time every case
     python benchmarks/ab_sm90_fwd.py --head-dims 128 --causal-only
@@ -8,10 +8,11 @@ rescale, next to flash-attn-4.
 Cases: bf16, head dims 64 / 128 / 256, causal and not, batch x seqlen x heads = 2 x 8192 x 16
 (32 heads at head dim 64, the same FLOPs per head dim squared). Variants of each case:
 
-* `lazy`: the shipped configuration (`make_config`), i.e. what `cute_flash.forward` runs: a row
-  keeps its exp reference while its max grows by at most 8 in log2 units, and a warp skips O's
-  rescale when none of its rows changed reference;
-* `eager`: the same with `lazy_rescale=False` (every block moves the reference and rescales O);
+* first the shipped configuration (`make_config`), i.e. what `cute_flash.forward` runs, then the
+  same with the other rescale; `lazy` (`lazy_rescale=True`, shipped at head dims 128 and 256): a
+  row keeps its exp reference while its max grows by at most 8 in log2 units, and a warp skips
+  O's rescale when none of its rows changed reference; `eager` (`lazy_rescale=False`, shipped at
+  head dim 64): every block moves the reference and rescales O;
 * at head dim 256 only: `n80` (tile_n 80 instead of 64) and `late` (`rescale_o_before_pv=False`:
   O rescaled after P·V is waited for);
 * the other schedules where the tile table allows persistence (head dims 64 and 128): `grid`
@@ -52,7 +53,8 @@ def variants(head_dim: int, causal: bool) -> list:
     from cute_flash.kernels.sm90.fwd_config import TILES, make_config
 
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
-    out = [("lazy", shipped), ("eager", replace(shipped, lazy_rescale=False))]
+    rescale = ("lazy", "eager") if shipped.lazy_rescale else ("eager", "lazy")
+    out = [(rescale[0], shipped), (rescale[1], replace(shipped, lazy_rescale=not shipped.lazy_rescale))]
     if shipped.persistent:  # the one-tile-per-CTA grid
         out += [("grid", replace(shipped, persistent=False, tile_counter=False))]
     elif TILES[head_dim].persistent:  # persistent CTAs where the call does not ship them

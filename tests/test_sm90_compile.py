@@ -5,6 +5,7 @@ configuration for sm_90a: no spills, HGMMA, UTMALDG and setmaxnreg present."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,8 +40,16 @@ def test_sm90_config_rejects_impossible_choices():
 
 
 @pytest.mark.parametrize("headdim", fc.TILE_HEADDIMS)
-def test_sm90_shipped_tiles_rescale_lazily_and_keep_the_eager_variant_compiled(headdim):
-    assert fc.make_config("bfloat16", headdim, headdim, causal=True).lazy_rescale
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_shipped_tiles_rescale_lazily_but_at_64_and_keep_the_other_variant_compiled(headdim, causal):
+    config = fc.make_config("bfloat16", headdim, headdim, causal=causal)
+    assert config.lazy_rescale == (headdim != 64)
+    # a padded head dim takes its tile's rescale; an explicit choice wins
+    assert fc.make_config("bfloat16", 40, 40).lazy_rescale is False
+    assert fc.make_config("bfloat16", 64, 64, lazy_rescale=True).lazy_rescale
+    other = replace(config, lazy_rescale=not config.lazy_rescale)
+    if headdim in (64, 128, 256):
+        assert other in fc.shipped_configs()
     eager = [c for c in fc.shipped_configs() if not c.lazy_rescale]
     assert eager and all("eagerrescale" in c.name.split("_") for c in eager)
 

@@ -13,8 +13,9 @@ together. Shared memory: Q (reused for O; apart from it in a persistent configur
 persistent (one CTA per SM walking the tiles, `fwd.py`); with a causal mask the CTAs take their
 tiles from a counter (`tile_counter`), because tiles of unequal length taken by a fixed stride
 leave some SMs with much more work than others. At 64, softcap with a causal mask or a window
-would spill at 160 registers with that loop, and so would 96 with seqused_k (140 B): those
-take one CTA per tile. 192 / 256 are not persistent (Q and O apart do not fit at 256).
+spilled at 160 registers with that loop (with the lazy rescale; eager, only the window with
+varlen still spills), and so does 96 with seqused_k (140 B): those take one CTA per tile.
+192 / 256 are not persistent (Q and O apart do not fit at 256).
 
 Causal schedules of the same kernel on an H200 (bf16, 16k tokens, hidden 2048, do_bench,
 TFLOP/s in two rounds; `benchmarks/ab_sm90_fwd.py` times them as `lazy`, `stride` and `grid`): hd128 2k counter 521 / 513, fixed stride 460 /
@@ -43,12 +44,17 @@ TFLOP/s) 2 x 8192 602-608 against 556-557 on the former 128 x 128 tile with K/V 
 (flash-attn-4 591-629), 8 x 2048 540-569 against 515-521, causal 2 x 8192 510-537 against
 508-525; 192 x 96 measured 592-595 / 509-536 / 532-533, three K/V stages 601-609.
 
-`lazy_rescale` (on in every configuration `make_config` builds; the eager variants are shipped
-for A/B only): a row keeps its old maximum as the exp
+`lazy_rescale` (on in every configuration `make_config` builds except head dim 64's; the other
+variants are shipped for A/B only): a row keeps its old maximum as the exp
 reference while the new one exceeds it by at most `LAZY_RESCALE_LOG2` (P <= 2^8), and a warp
 skips the rescale of its O rows when none of them changed reference (see `common/softmax.py`).
 Measured on an H200 (2 x 8192, bf16, causal): +3.8 % at hd 128 (577 -> 600 TFLOP/s), +2.5 % at
-hd 256; within noise without causal and at hd 64.
+hd 256. At hd 64 O is 32 registers per thread, and the selects and the vote that decide whether
+to skip its 32 FMULs cost more than the FMULs (the loop is 421 SASS instructions per block
+eager, 435 lazy): eager ran 0.1-2.5 % faster in 11 of 12 cells of two runs (32 heads, 2 x 8192,
+8 x 2048 and 1 x 16384, causal and not, five interleaved rounds each; e.g. 1 x 16384 540.4
+against 527.3 TFLOP/s, 8 x 2048 477.5 against 470.1; one causal cell 0.6 % behind), so hd 64
+rescales eagerly.
 """
 
 from __future__ import annotations
@@ -70,10 +76,11 @@ class Tile(NamedTuple):
     num_stages: int  # depth of the K and V rings in shared memory
     pingpong: bool
     persistent: bool = False  # one CTA per SM walking the tiles (Q and O apart in shared memory)
+    lazy_rescale: bool = True  # see `Sm90FwdConfig.lazy_rescale` and the module docstring
 
 
 TILES = {
-    64: Tile(192, 128, 3, 2, True, persistent=True),
+    64: Tile(192, 128, 3, 2, True, persistent=True, lazy_rescale=False),
     96: Tile(192, 112, 3, 2, True, persistent=True),
     128: Tile(128, 128, 2, 2, True, persistent=True),
     192: Tile(128, 96, 2, 2, False),
@@ -105,7 +112,8 @@ class Sm90FwdConfig:
     varlen_k: bool = False
     seqused_k: bool = False
     has_lse: bool = True
-    lazy_rescale: bool = True  # keep a row's max unless it grows by > LAZY_RESCALE_LOG2
+    # keep a row's max unless it grows by > LAZY_RESCALE_LOG2 (make_config: per tile, `Tile`)
+    lazy_rescale: bool = True
     # Rescale O while S = Q Kᵀ of the next block runs, before P·V is issued, instead of after
     # P·V is waited for: the FMULs of a wide O then overlap the QK GEMM (make_config: dv > 128)
     rescale_o_before_pv: bool = False
@@ -226,13 +234,16 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     # hardware's grid scheduler (benchmarks/ab_sm90_fwd.py on an H200, b2 x 8192 x 16 heads, hd128,
     # bf16: causal grid 604 TFLOP/s, persistent CTAs 544); persistent causal CTAs therefore take
     # their tiles from a counter (`tile_counter`). Persistent loops that spill stay on the grid:
-    # hd64 with softcap and a causal mask or a window (160 registers; causal with the counter,
-    # local with varlen: 16 B) and hd96 with seqused_k (zeroing the V rows past it; 140 B).
+    # hd64 with softcap and a causal mask or a window (160 registers; with the lazy rescale causal
+    # with the counter spilled, and eager local with varlen still spills 16 B: both stay on the
+    # grid, the causal one not re-measured persistent) and hd96 with seqused_k (zeroing the V
+    # rows past it; 140 B).
     causal = flags.get("causal", False)
     masked = causal or flags.get("local", False)
     spills_persistent = ((masked and hd == 64 and flags.get("softcap", False))
                          or (max(hd, hdv) == 96 and flags.get("seqused_k", False)))
     flags.setdefault("persistent", tile.persistent and not spills_persistent)
+    flags.setdefault("lazy_rescale", tile.lazy_rescale)
     flags.setdefault("tile_counter", flags["persistent"] and causal)
     return Sm90FwdConfig(
         dtype=dtype,
@@ -292,8 +303,9 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64),
                 make_config("bfloat16", 96, 96, seqused_k=True, causal=True),
                 make_config("bfloat16", 64, 64, local=True, softcap=True, varlen_q=True, varlen_k=True)]
-    # the eager rescale (every block moves the exp reference), kept for benchmarks/ab_sm90_fwd.py
-    configs += [make_config("bfloat16", d, d, causal=causal, lazy_rescale=False)
+    # the other rescale (eager where the table is lazy, lazy at head dim 64), kept for
+    # benchmarks/ab_sm90_fwd.py
+    configs += [make_config("bfloat16", d, d, causal=causal, lazy_rescale=not TILES[d].lazy_rescale)
                 for d in (64, 128, 256) for causal in (False, True)]
     # the other schedules where the table is persistent, for A/B (selfcheck's variants): one CTA
     # per tile, and causal tiles by a fixed stride
