@@ -1,5 +1,7 @@
 """What `deterministic=True` costs on an H100/H200, in two tables (bf16, batch x seqlen x heads,
-default 2 x 8192 x 16 at head dim 128, causal and not; `triton.testing.do_bench` medians):
+default 2 x 8192 x 16 at head dim 128, causal and not; `triton.testing.do_bench` medians of
+`--rounds` rounds, the labels of a table taking turns in an order reversed every other round
+(`bench_lib.interleaved_rounds`), each cell the median and the range over the rounds):
 
 * backward: cute-sm90's `bwd` (preprocess, main, postprocess kernels) on its own sm_90 kernel,
   deterministic or not, and deterministic on the sm_80 kernels (`native_backward = False`, the
@@ -9,8 +11,8 @@ default 2 x 8192 x 16 at head dim 128, causal and not; `triton.testing.do_bench`
 
 Both halved when causal.
 
-    python benchmarks/ab_deterministic.py                       # GPU
-    python benchmarks/ab_deterministic.py --head-dim 64 --heads 32
+    python benchmarks/ab_deterministic.py                       # GPU, three rounds
+    python benchmarks/ab_deterministic.py --head-dim 64 --heads 32 --rounds 5
 """
 
 from __future__ import annotations
@@ -20,11 +22,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def backward_table(b: int, s: int, h: int, d: int, causal: bool) -> dict:
+def summary(flops: float, times_ms: list) -> str:
+    """'median (min-max)' TFLOP/s of the rounds' median times."""
+    rates = sorted(flops / ms * 1e-9 for ms in times_ms)
+    return f"{rates[len(rates) // 2]:.1f} ({rates[0]:.1f}-{rates[-1]:.1f})"
+
+
+def backward_table(b: int, s: int, h: int, d: int, causal: bool, rounds: int) -> dict:
     import torch
-    from triton.testing import do_bench
+    from bench_lib import interleaved_rounds
 
     import cute_flash
     from cute_flash.backends import get_backend
@@ -37,22 +46,28 @@ def backward_table(b: int, s: int, h: int, d: int, causal: bool) -> dict:
     dout = torch.randn_like(out)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-    res = {}
+
+    def runner(native: bool, det: bool):
+        def run():
+            backend.native_backward = native  # the path is chosen per call, so each run sets it
+            backend.bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, det)
+        return run
+
+    runs = {label: runner(native, det)
+            for label, native, det in (("sm90", True, False), ("sm90 det", True, True), ("sm80 det", False, True))}
     try:
-        for label, native, det in (("sm90", True, False), ("sm90 det", True, True), ("sm80 det", False, True)):
-            backend.native_backward = native
-            run = lambda det=det: backend.bwd(dout, q, k, v, out, lse, None, dq, dk, dv, args, det)  # noqa: E731
+        for run in runs.values():  # compile before any timing
             run()
-            torch.cuda.synchronize()
-            res[label] = round(flops / do_bench(run, warmup=25, rep=100, return_mode="median") * 1e-9, 1)
+        torch.cuda.synchronize()
+        times = interleaved_rounds(runs, rounds)
     finally:
         backend.native_backward = True
-    return res
+    return {label: summary(flops, times[label]) for label in runs}
 
 
-def fwd_bwd_table(b: int, s: int, h: int, d: int, causal: bool) -> dict:
+def fwd_bwd_table(b: int, s: int, h: int, d: int, causal: bool, rounds: int) -> dict:
     import torch
-    from triton.testing import do_bench
+    from bench_lib import interleaved_rounds
 
     import cute_flash
 
@@ -63,7 +78,7 @@ def fwd_bwd_table(b: int, s: int, h: int, d: int, causal: bool) -> dict:
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
     do = torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda")
     flops = 3.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-    res = {}
+    res, runs = {}, {}
     for label, det in (("cute", False), ("cute det", True), ("fa4", False), ("fa4 det", True)):
         if label.startswith("fa4"):
             if flash_attn_func is None:
@@ -78,12 +93,13 @@ def fwd_bwd_table(b: int, s: int, h: int, d: int, causal: bool) -> dict:
             (out[0] if isinstance(out, tuple) else out).backward(do)
 
         try:
-            step()
-            ms = do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="median")
-            res[label] = round(flops / ms * 1e-9, 1)
+            step()  # compile, and find out whether the provider takes the call at all
+            runs[label] = step
         except Exception as exc:  # a peer that refuses the call must not hide the others
             res[label] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
-    return res
+    torch.cuda.synchronize()
+    times = interleaved_rounds(runs, rounds, grad_to_none=[q, k, v])
+    return {**{label: summary(flops, times[label]) for label in runs}, **res}
 
 
 def main(argv=None) -> int:
@@ -92,13 +108,14 @@ def main(argv=None) -> int:
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
     opts = p.parse_args(argv)
     shape = (opts.batch, opts.seqlen, opts.heads, opts.head_dim)
     for causal in (False, True):
         mask = "causal" if causal else "full"
         name = f"hd{opts.head_dim} {opts.batch}x{opts.seqlen}x{opts.heads} {mask}"
-        print(f"backward {name} TFLOP/s:", backward_table(*shape, causal), flush=True)
-        print(f"forward + backward {name} TFLOP/s:", fwd_bwd_table(*shape, causal), flush=True)
+        print(f"backward {name} TFLOP/s:", backward_table(*shape, causal, opts.rounds), flush=True)
+        print(f"forward + backward {name} TFLOP/s:", fwd_bwd_table(*shape, causal, opts.rounds), flush=True)
     return 0
 
 

@@ -349,17 +349,20 @@ def capture_graph(fn):
 # ---- timing -------------------------------------------------------------------------------
 
 
-def interleaved_rounds(runs: dict, rounds: int, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
+def interleaved_rounds(runs: dict, rounds: int, warmup_ms: float = 25, rep_ms: float = 100,
+                       grad_to_none=None) -> dict:
     """{label: [median ms of each round]}: every callable of `runs` timed once per round with
     `triton.testing.do_bench`, in the order of `runs` and reversed every other round, so that
-    no variant always runs first (or last) as the GPU warms up."""
+    no variant always runs first (or last) as the GPU warms up. `grad_to_none`: tensors whose
+    .grad do_bench clears before every call (a backward that would otherwise accumulate)."""
     from triton.testing import do_bench
 
     times = {label: [] for label in runs}
     order = list(runs)
     for r in range(rounds):
         for label in order if r % 2 == 0 else order[::-1]:
-            times[label].append(do_bench(runs[label], warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+            times[label].append(do_bench(runs[label], warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
+                                         return_mode="median"))
     return times
 
 

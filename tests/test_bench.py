@@ -611,10 +611,11 @@ def test_ab_clusters_parses_cases_and_compiles_each_variant(capsys):
 def test_interleaved_rounds_reverse_the_order_every_other_round(monkeypatch):
     import types
 
-    calls = []
+    calls, cleared = [], []
 
-    def do_bench(fn, warmup, rep, return_mode):
+    def do_bench(fn, warmup, rep, grad_to_none, return_mode):
         assert (warmup, rep, return_mode) == (25, 80, "median")
+        cleared.append(grad_to_none)
         return fn()
 
     testing = types.ModuleType("triton.testing")
@@ -630,3 +631,8 @@ def test_interleaved_rounds_reverse_the_order_every_other_round(monkeypatch):
     times = bl.interleaved_rounds({"a": run("a", 1.0), "b": run("b", 2.0), "c": run("c", 3.0)}, 3, rep_ms=80)
     assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
     assert times == {"a": [1.0] * 3, "b": [2.0] * 3, "c": [3.0] * 3}
+    assert cleared == [None] * 9
+    # tensors whose gradients a timed backward would accumulate reach every do_bench call
+    grads = [object()]
+    assert bl.interleaved_rounds({"a": run("a", 1.0)}, 2, rep_ms=80, grad_to_none=grads) == {"a": [1.0, 1.0]}
+    assert cleared[-2:] == [grads, grads]
