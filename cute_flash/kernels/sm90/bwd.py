@@ -240,11 +240,15 @@ class FlashBwdSm90(TimelineCounters):
         warpgroup reads half of their columns as an MN-major operand (dK, dV, dQ), so the atom
         must tile that half: at head dim 192 the 96 columns take 32-column atoms (64-byte
         swizzle) where a whole row would take 64-column ones. With `keys_n` only K's halves are
-        read (dQ's B operand); Q and dO keep whole-row atoms. So also K's at head dim 96 with
-        `dq_split`: 16-column atoms (32-byte swizzle), three to a warpgroup's 48 columns."""
-        halves = self.cfg.dkv_split and (of_k or not self.cfg.keys_n)
-        halves = halves or (of_k and self.cfg.dq_split and self.cfg.head_dim == 96)
-        return wgmma_smem_layout_atom(self.dtype, cols // NUM_CONSUMER_WGS if halves else cols)
+        read (dQ's B operand); Q and dO keep whole-row atoms. With `dq_split` each warpgroup's dQ
+        GEMM reads half of K's columns too, which must fill whole atoms or lie inside one: where
+        a half would straddle them (head dim 96: 48 columns of 32-column atoms) K takes the
+        half's atoms (16 columns, 32-byte swizzle, three to a warpgroup)."""
+        half = cols // NUM_CONSUMER_WGS
+        atom = swizzle_params(self.dtype.width, cols).atom_cols
+        straddles = half % atom != 0 and atom % half != 0
+        halves = (self.cfg.dkv_split and (of_k or not self.cfg.keys_n)) or (of_k and self.cfg.dq_split and straddles)
+        return wgmma_smem_layout_atom(self.dtype, half if halves else cols)
 
     def stat_layout(self, stages: int) -> cute.Layout:
         """The shared-memory LSE or D rows of `stages` query blocks: (rows, stage)."""
