@@ -477,8 +477,8 @@ class Sm90BwdConfig:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "keys_n", "single_dout", "dq_swap", "timeline", "cluster_q", "rotate_queries",
-                             "deterministic", "dq_flat") if getattr(self, f)]
+                             "keys_n", "single_dout", "dq_swap", "dq_flat", "timeline", "cluster_q", "rotate_queries",
+                             "deterministic") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -558,7 +558,10 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
         fields.setdefault("single_dout", True)
         if _unchecked(fields).smem_bytes > SMEM_LIMIT:
             fields["keys_n"] = fields["single_dout"] = False
-    flags_flat = fields.setdefault("dq_flat", fields["dq_writer"] and not fields.get("varlen_q", False))
+    # the flat dQ store where the writer warp issues the reduce-adds of a fixed-length call, unless
+    # the row-major tile's swap is asked for
+    flags_flat = fields.setdefault("dq_flat", fields["dq_writer"] and not fields.get("varlen_q", False)
+                                   and not fields.get("dq_swap", False))
     if not swap_asked:
         # not where it measured slower, on rotated walks and on the 96-key tile without a mask
         # (`dq_swap`); its pairs of 16-column halves need 32-column dQ tiles: not head dim 96's 48
@@ -634,7 +637,18 @@ def shipped_configs() -> list:
     # the Q/dO-sharing clusters of unmasked calls with an even number of key blocks
     configs += [dataclasses.replace(make_config(dtype, d, d), cluster_q=True) for d in (64, 96) for dtype in DTYPES]
     configs += [dataclasses.replace(make_config("bfloat16", 64, 64, softcap=True), cluster_q=True)]
+    # the row-major dQ tile of fixed-length calls before `dq_flat`, for A/B
+    configs += [make_config("bfloat16", d, d, dq_flat=False) for d in (64, 128, 192)]
     return configs
+
+
+def shipped_post_configs() -> list:
+    """The flat-dQ postprocess of every `dq_flat` configuration of `shipped_configs` (and a padded
+    head dim)."""
+    from cute_flash.audit import distinct
+
+    flat = [c for c in shipped_configs() if c.dq_flat]
+    return distinct([make_post_config(c, c.head_dim) for c in flat] + [make_post_config(flat[0], flat[0].head_dim - 8)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -689,6 +703,11 @@ class Sm90BwdPostConfig:
     @property
     def dq_chunks(self) -> int:
         return NUM_CONSUMER_WGS if self.dq_split or self.dq_rows else 1
+
+    @property
+    def varlen_q(self) -> bool:
+        """Fixed-length calls only: a varlen one keeps the row-major accumulator."""
+        return False
 
     @property
     def name(self) -> str:
@@ -759,7 +778,8 @@ def sweep_targets(arch: str) -> list:
 
 
 def audit_targets(arch: str) -> list:
-    """One audit target per shipped configuration (see `cute_flash.audit`); sm_90a only."""
+    """One audit target per shipped configuration and flat-dQ postprocess (see `cute_flash.audit`);
+    sm_90a only."""
     from cute_flash.audit import targets
 
-    return targets(arch, shipped_configs(), compile_kernel) if arch == "sm_90a" else []
+    return targets(arch, shipped_configs() + shipped_post_configs(), compile_kernel) if arch == "sm_90a" else []
