@@ -57,7 +57,7 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     flips = [("stats_early", {"stats_early": not shipped.stats_early})]
     if shipped.dq_writer:
         flips.append(("dq_fence_late", {"dq_fence_late": not shipped.dq_fence_late}))
-        flips.append(("no dq_writer", {"dq_writer": False, "dq_fence_late": False, "dq_stages": 1}))
+        flips.append(("no dq_writer", {"dq_writer": False, "dq_fence_late": False, "dq_stages": 1, "dq_flat": False}))
     if shipped.dq_stages > 1:
         flips.append(("one dQ tile", {"dq_stages": 1}))
     elif shipped.dq_writer:
@@ -87,6 +87,11 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if shipped.dq_swap:
         # the dQ tile's 64-bit stores in the accumulator's own column order (two rows per bank)
         flips.append(("no dq_swap", {"dq_swap": False}))
+    if shipped.dq_flat:
+        # the row-major dQ tile and its tensor-TMA reduce-add, with and without the swap
+        flips.append(("row-major dQ", {"dq_flat": False}))
+        if shipped.dq_cols % 32 == 0:
+            flips.append(("row-major dQ swapped", {"dq_flat": False, "dq_swap": True}))
     # each CTA's walk over the query blocks from a start spread over the range, or from the first
     flips.append(("no rotate" if shipped.rotate_queries else "rotate", {"rotate_queries": not shipped.rotate_queries}))
     flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))
@@ -193,9 +198,10 @@ def run_backward(config, dout, q, k, v, out, lse, grads, args) -> None:
     """The sm_90 backward of a call with its main kernel built from `config`, between the call's
     own preprocess and postprocess kernels."""
     from cute_flash.backends import get_backend
-    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+    from cute_flash.backends.cute_bwd import backward_sm90, pre_post
 
-    pre, _, post = sm90_configs(q, k, v, None, args)
+    # the preprocess and postprocess that go with this main kernel's dQ accumulator (`dq_flat`)
+    pre, post = pre_post(config, q.shape[-1], v.shape[-1], False)
     backward_sm90(get_backend("cute-sm90"), dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
 
 

@@ -88,14 +88,24 @@ def _configs(arch: str, dtype: str, head_dim: int, head_dim_v: int, has_dlse: bo
     else:
         main = bwd_config.make_config(dtype, head_dim, head_dim_v, smem_limit=smem_limit, deterministic=deterministic,
                                       **flags)
+    pre, post = pre_post(main, head_dim, head_dim_v, has_dlse)
+    return pre, main, post
+
+
+def pre_post(main, head_dim: int, head_dim_v: int, has_dlse: bool) -> tuple:
+    """(preprocess, postprocess) configurations that go with a main backward configuration: the
+    preprocess also clears the dQ accumulator, as wide as the main kernel's tile, except a flat
+    one (`dq_flat`), which is allocated cleared (padded query blocks the row kernel does not reach)
+    and which the sm_90 postprocess puts back in row order."""
+    from ..kernels.sm80 import bwd_config
+    from ..kernels.sm90 import bwd_config as sm90_bwd_config
+
     flat = getattr(main, "dq_flat", False)
-    # the preprocess kernel also clears the dQ accumulator, as wide as the main kernel's tile (a
-    # flat one, `dq_flat`, is allocated cleared: padded query blocks the row kernel does not reach)
-    pre = bwd_config.make_pre_config(dtype, head_dim_v, varlen_q=flags["varlen_q"], has_dlse=has_dlse,
+    pre = bwd_config.make_pre_config(main.dtype, head_dim_v, varlen_q=main.varlen_q, has_dlse=has_dlse,
                                      dq_accum_cols=0 if flat else main.head_dim)
     post = (sm90_bwd_config.make_post_config(main, head_dim) if flat
-            else bwd_config.make_post_config(dtype, head_dim, varlen_q=flags["varlen_q"]))
-    return pre, main, post
+            else bwd_config.make_post_config(main.dtype, head_dim, varlen_q=main.varlen_q))
+    return pre, post
 
 
 def _smem_optin(device: torch.device) -> Optional[int]:
