@@ -240,6 +240,9 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
 
     # raises for what the kernel lacks
     pre, main, post = configs if configs is not None else sm90_configs(q, k, v, dlse, args, deterministic)
+    if (pre.dq_accum_cols == 0) != main.dq_flat:
+        raise ValueError("configs: the preprocess clears a row-major dQ accumulator exactly where the main kernel's "
+                         "is not flat (`pre_post` pairs them)")
     if _without_launch(q, k, dq, dk, dv, args):
         return
     num_batch, max_seqlen_q, max_seqlen_k = _sizes(q, k, args)
