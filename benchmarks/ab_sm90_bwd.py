@@ -16,11 +16,14 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   dQ tile), `dq_stages` (1 where 2 ship, else 2), `lpt` (off, causal), `dkv_staged`, `dq_split`
   (off), `dq_swap` (off), `rotate_queries` (`rotate` / `no rotate`), one more Q / dO stage where
   it fits (head dim 64), where the 96-key tile ships (`keys_n`), the 64-key column-split tile
-  (`64 keys`), and `deterministic` (ordered dQ reduce-adds, without clusters or rotation);
+  (`64 keys`), the row-major dQ tile in place of the flat one (`row-major dQ`, and with the
+  swap where the tile's columns allow it, `row-major dQ swapped`), and `deterministic` (ordered
+  dQ reduce-adds, without clusters or rotation);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
-Every variant runs between the same preprocess and postprocess kernels (`backward_sm90` with the
-call's configurations, its main kernel swapped). A variant is first checked against the float32
+Every variant runs between the preprocess and postprocess kernels of its dQ accumulator
+(`backward_sm90` with the main kernel swapped and `cute_bwd.pre_post`'s pair for it: the flat
+accumulator's postprocess, or the row-major one's). A variant is first checked against the float32
 reference backward (dq, dk and dv by the benchmark's tolerance rule) on 2 x 333 queries over 1001
 keys (causal: 1001 over 333, so that rows see no key) with 4 heads; a wrong variant is reported
 and not timed. Then each round times every variant once with `triton.testing.do_bench` (median of

@@ -283,7 +283,12 @@ class Sm90BwdConfig:
     # dQaccum with one 1-D bulk reduce-add. dQaccum is then (batch, head, padded seqlen, d) with
     # each query block's tile_m x d floats a run of `dq_chunks` such tiles (one per warpgroup
     # where they hold different rows or columns, one both add into otherwise), which the sm_90
-    # postprocess (`bwd_post.py`) puts back in row order. Fixed-length calls with the dQ writer.
+    # postprocess (`bwd_post.py`) puts back in row order. Fixed-length calls with the dQ writer
+    # (varlen ones keep the row-major tile). Against the row-major tile with and without
+    # `dq_swap` (`ab_sm90_bwd.py --variants "row-major dQ,row-major dQ swapped"`, 2 x 4096, three
+    # rounds, ms) it was the fastest at every head dim, causal and not: 1-5% (hd128 1.202-1.207
+    # against 1.213-1.320 swapped; hd192 1.361-1.403 against 1.385-1.576; hd96, unswapped before,
+    # 1.365-1.408 against 1.439-1.451).
     dq_flat: bool = False
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
@@ -421,9 +426,8 @@ class Sm90BwdConfig:
 
     @property
     def dq_chunks(self) -> int:
-        """`dq_flat`: flat dQ tiles per query block (one per warpgroup where they hold different
-        columns or rows; one both add into where each holds a partial sum of the whole tile)."""
-        return NUM_CONSUMER_WGS if self.dq_split or self.dq_rows else 1
+        """`dq_flat`: flat dQ tiles per query block."""
+        return dq_chunks(self.dq_split, self.dq_rows)
 
     @property
     def dq_rows_per_wg(self) -> int:
@@ -686,6 +690,13 @@ def fake_arguments(config: Sm90BwdConfig) -> tuple:
     )
 
 
+def dq_chunks(dq_split: bool, dq_rows: bool) -> int:
+    """Flat dQ tiles per query block (`dq_flat`): one per warpgroup where they hold different
+    columns (`dq_split`) or rows (`dq_rows`); one that both add into where each holds a partial
+    sum of the whole tile."""
+    return NUM_CONSUMER_WGS if dq_split or dq_rows else 1
+
+
 @dataclass(frozen=True)
 class Sm90BwdPostConfig:
     """The postprocess of a `dq_flat` main kernel (`bwd_post.py`): its dQ tiling, for putting the
@@ -702,7 +713,7 @@ class Sm90BwdPostConfig:
 
     @property
     def dq_chunks(self) -> int:
-        return NUM_CONSUMER_WGS if self.dq_split or self.dq_rows else 1
+        return dq_chunks(self.dq_split, self.dq_rows)
 
     @property
     def varlen_q(self) -> bool:
