@@ -16,11 +16,14 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   dQ tile), `dq_stages` (1 where 2 ship, else 2), `lpt` (off, causal), `dkv_staged`, `dq_split`
   (off), `dq_swap` (off), `rotate_queries` (`rotate` / `no rotate`), one more Q / dO stage where
   it fits (head dim 64), where the 96-key tile ships (`keys_n`), the 64-key column-split tile
-  (`64 keys`), and `deterministic` (ordered dQ reduce-adds, without clusters or rotation);
+  (`64 keys`), the row-major dQ tile in place of the flat one (`row-major dQ`, and with the
+  swap where the tile's columns allow it, `row-major dQ swapped`), and `deterministic` (ordered
+  dQ reduce-adds, without clusters or rotation);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
-Every variant runs between the same preprocess and postprocess kernels (`backward_sm90` with the
-call's configurations, its main kernel swapped). A variant is first checked against the float32
+Every variant runs between the preprocess and postprocess kernels of its dQ accumulator
+(`backward_sm90` with the main kernel swapped and `cute_bwd.pre_post`'s pair for it: the flat
+accumulator's postprocess, or the row-major one's). A variant is first checked against the float32
 reference backward (dq, dk and dv by the benchmark's tolerance rule) on 2 x 333 queries over 1001
 keys (causal: 1001 over 333, so that rows see no key) with 4 heads; a wrong variant is reported
 and not timed. Then each round times every variant once with `triton.testing.do_bench` (median of
@@ -57,7 +60,7 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     flips = [("stats_early", {"stats_early": not shipped.stats_early})]
     if shipped.dq_writer:
         flips.append(("dq_fence_late", {"dq_fence_late": not shipped.dq_fence_late}))
-        flips.append(("no dq_writer", {"dq_writer": False, "dq_fence_late": False, "dq_stages": 1}))
+        flips.append(("no dq_writer", {"dq_writer": False, "dq_fence_late": False, "dq_stages": 1, "dq_flat": False}))
     if shipped.dq_stages > 1:
         flips.append(("one dQ tile", {"dq_stages": 1}))
     elif shipped.dq_writer:
@@ -87,6 +90,11 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if shipped.dq_swap:
         # the dQ tile's 64-bit stores in the accumulator's own column order (two rows per bank)
         flips.append(("no dq_swap", {"dq_swap": False}))
+    if shipped.dq_flat:
+        # the row-major dQ tile and its tensor-TMA reduce-add, with and without the swap
+        flips.append(("row-major dQ", {"dq_flat": False}))
+        if shipped.dq_cols % 32 == 0:
+            flips.append(("row-major dQ swapped", {"dq_flat": False, "dq_swap": True}))
     # each CTA's walk over the query blocks from a start spread over the range, or from the first
     flips.append(("no rotate" if shipped.rotate_queries else "rotate", {"rotate_queries": not shipped.rotate_queries}))
     flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))
@@ -193,9 +201,10 @@ def run_backward(config, dout, q, k, v, out, lse, grads, args) -> None:
     """The sm_90 backward of a call with its main kernel built from `config`, between the call's
     own preprocess and postprocess kernels."""
     from cute_flash.backends import get_backend
-    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+    from cute_flash.backends.cute_bwd import backward_sm90, pre_post
 
-    pre, _, post = sm90_configs(q, k, v, None, args)
+    # the preprocess and postprocess that go with this main kernel's dQ accumulator (`dq_flat`)
+    pre, post = pre_post(config, q.shape[-1], v.shape[-1], False)
     backward_sm90(get_backend("cute-sm90"), dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
 
 

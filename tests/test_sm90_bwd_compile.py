@@ -138,22 +138,27 @@ def test_sm90_bwd_dq_swap_everywhere_but_on_rotated_walks_and_the_96_key_tile_wi
     # tiles, head dims 192 and 256, not deterministic) and on the 96-key tile without a mask they
     # measured slower (head dim 96's 48-column dQ tiles have no pairs to swap: see
     # test_sm90_bwd_dq_split_is_the_default_of_the_64_row_tiles_up_to_hd128)
+    # fixed-length calls store dQ flat (`dq_flat`), with nothing to swap; varlen ones keep the
+    # row-major tile and the swap rule
+    varlen = dict(varlen_q=True, varlen_k=True)
     for d in (64, 128):
-        assert bc.make_config("bfloat16", d, d).dq_swap and bc.make_config("float16", d, d, causal=True).dq_swap
+        assert bc.make_config("bfloat16", d, d, **varlen).dq_swap
+        assert bc.make_config("float16", d, d, causal=True, **varlen).dq_swap
+        assert bc.make_config("bfloat16", d, d).dq_flat and not bc.make_config("bfloat16", d, d).dq_swap
     for d, d_v in ((192, dv), (256, 256), (256, dv), (dv, 256)):
         unmasked = bc.make_config("bfloat16", d, d_v)  # rotated from Q's head dim 192 on
-        assert unmasked.rotate_queries == (d >= 192) and unmasked.dq_swap == (d < 192)
-        assert bc.make_config("bfloat16", d, d_v, varlen_q=True, varlen_k=True).dq_swap == (d < 192)
-        assert bc.make_config("bfloat16", d, d_v, causal=True).dq_swap
-        assert bc.make_config("bfloat16", d, d_v, local=True, softcap=True).dq_swap
+        assert unmasked.rotate_queries == (d >= 192) and unmasked.dq_flat and not unmasked.dq_swap
+        assert bc.make_config("bfloat16", d, d_v, causal=True, **varlen).dq_swap
+        assert bc.make_config("bfloat16", d, d_v, local=True, softcap=True, **varlen).dq_swap
         deterministic = bc.make_config("bfloat16", d, d_v, deterministic=True)
-        assert not deterministic.rotate_queries and deterministic.dq_swap == (not deterministic.keys_n)
+        assert not deterministic.rotate_queries and deterministic.dq_flat and not deterministic.dq_swap
     # the 64-key tile a refused single_dout falls back to: the same rule
     fallback = bc.make_config("bfloat16", 192, 192, single_dout=False)
-    assert not fallback.keys_n and not fallback.dq_swap
-    assert bc.make_config("bfloat16", 192, 192, single_dout=False, deterministic=True).dq_swap
+    assert not fallback.keys_n and not fallback.dq_swap and fallback.dq_flat
+    assert bc.make_config("bfloat16", 192, 192, single_dout=False, deterministic=True, **varlen).dq_swap
     assert not bc.make_config("bfloat16", 192, 192, single_dout=False, dq_swap=False, causal=True).dq_swap
-    assert bc.make_config("bfloat16", 192, dv, dq_swap=True).dq_swap
+    asked = bc.make_config("bfloat16", 192, dv, dq_swap=True)  # the row-major tile, swapped
+    assert asked.dq_swap and not asked.dq_flat
 
 
 def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
@@ -173,7 +178,7 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    assert len(configs) <= 35  # each one is compiled and audited
+    assert len(configs) <= 38  # each one is compiled and audited (+ 3 row-major dQ tiles for A/B)
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -186,6 +191,9 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
             flipped = {f.name: not getattr(base, f.name)}
             if f.name == "dq_writer":
                 flipped["dq_fence_late"] = False  # which needs the writer (off here anyway)
+                flipped["dq_flat"] = False  # and so does the flat dQ store
+            if f.name in ("dq_swap", "varlen_q"):
+                flipped["dq_flat"] = False  # a swap of the row-major tile's columns; varlen's tile
             if f.name == "dk_after_dq":
                 flipped["dk_behind_dq"] = False  # the two exclude each other
             if f.name in ("dq_rows", "dv_after_ds"):
@@ -318,9 +326,10 @@ def test_sm90_bwd_dq_split_is_the_default_of_the_64_row_tiles_up_to_hd128():
         config = bc.make_config("bfloat16", 96, 96, **flags)
         assert config.dq_split and config.dq_cols == 48 and not config.dq_swap and config.stats_early, flags
     assert bc.make_config("bfloat16", 80, 80).dq_split  # padded to 96
-    assert bc.make_config("bfloat16", 96, 96, dq_split=False).dq_swap  # 96-column partials
+    # 96-column partials (row-major tiles: varlen)
+    assert bc.make_config("bfloat16", 96, 96, dq_split=False, varlen_q=True, varlen_k=True).dq_swap
     with pytest.raises(ValueError, match="dq_swap"):
-        bc.make_config("bfloat16", 96, 96, dq_swap=True)
+        bc.make_config("bfloat16", 96, 96, dq_swap=True, dq_flat=False)
     assert bc.make_config("bfloat16", 64, 64).dq_writer and bc.make_config("bfloat16", 128, 128).dq_writer
     split, per_wg = bc.make_config("bfloat16", 128, 128), bc.make_config("bfloat16", 128, 128, dq_split=False)
     # half the fp32 dQ staging, one more dS^T buffer
@@ -387,10 +396,8 @@ def test_sm90_bwd_deterministic_calls_keep_their_tile_without_cluster_or_rotatio
     main = sm90_configs(q, q, q, None, AttnArgs(0.1), deterministic=True)[1]
     assert main.deterministic and main.dq_writer and not main.cluster_q and not main.rotate_queries
     assert "deterministic" in main.name
-    assert main.dq_swap == (plain.dq_swap or (plain.rotate_queries and not plain.keys_n))
-    assert main.dq_swap == (d in (64, 128, 256))  # not 96's 48-column dQ tiles, nor the 96-key tile
-    assert replace(plain, cluster_q=False, rotate_queries=False, lpt=True, deterministic=True,
-                   dq_swap=main.dq_swap) == main
+    assert main.dq_flat and plain.dq_flat and not main.dq_swap  # fixed length: dQ stored flat
+    assert replace(plain, cluster_q=False, rotate_queries=False, lpt=True, deterministic=True) == main
     assert bc.with_cluster_q(main, 64) is main
     assert not main.shortest_first
     causal = AttnArgs(0.1, causal=True, window_right=0)
@@ -422,7 +429,7 @@ def test_sm90_bwd_deterministic_refuses_what_could_wait_on_itself(flag):
     base = bc.make_config("bfloat16", 64 if flag == "cluster_q" else 256, 64 if flag == "cluster_q" else 256,
                           deterministic=True)
     with pytest.raises(ValueError, match="deterministic"):
-        replace(base, **{flag: flag != "dq_writer"})
+        replace(base, **{flag: flag != "dq_writer"}, **({"dq_flat": False} if flag == "dq_writer" else {}))
 
 
 def test_sm90_bwd_row_statistics_have_16_byte_row_pitch_for_tma():
@@ -474,7 +481,11 @@ def test_sm90_native_backward_is_the_default_and_takes_only_what_its_kernel_does
 
 def test_sm90_bwd_audit_targets_cover_every_shipped_config():
     targets = bc.audit_targets("sm_90a")
-    assert [t.name for t in targets] == [c.name for c in bc.shipped_configs()]
+    shipped = bc.shipped_configs() + bc.shipped_post_configs()
+    assert [t.name for t in targets] == [c.name for c in shipped]
+    # every flat-dQ main configuration's postprocess among them
+    posts = {c.name for c in bc.shipped_post_configs()}
+    assert all(bc.make_post_config(c, c.head_dim).name in posts for c in bc.shipped_configs() if c.dq_flat)
     assert bc.audit_targets("sm_80") == []
 
 

@@ -88,11 +88,24 @@ def _configs(arch: str, dtype: str, head_dim: int, head_dim_v: int, has_dlse: bo
     else:
         main = bwd_config.make_config(dtype, head_dim, head_dim_v, smem_limit=smem_limit, deterministic=deterministic,
                                       **flags)
-    # the preprocess kernel also clears the dQ accumulator, as wide as the main kernel's tile
-    pre = bwd_config.make_pre_config(dtype, head_dim_v, varlen_q=flags["varlen_q"], has_dlse=has_dlse,
-                                     dq_accum_cols=main.head_dim)
-    post = bwd_config.make_post_config(dtype, head_dim, varlen_q=flags["varlen_q"])
+    pre, post = pre_post(main, head_dim, head_dim_v, has_dlse)
     return pre, main, post
+
+
+def pre_post(main, head_dim: int, head_dim_v: int, has_dlse: bool) -> tuple:
+    """(preprocess, postprocess) configurations that go with a main backward configuration: the
+    preprocess also clears the dQ accumulator, as wide as the main kernel's tile, except a flat
+    one (`dq_flat`), which is allocated cleared (padded query blocks the row kernel does not reach)
+    and which the sm_90 postprocess puts back in row order."""
+    from ..kernels.sm80 import bwd_config
+    from ..kernels.sm90 import bwd_config as sm90_bwd_config
+
+    flat = getattr(main, "dq_flat", False)
+    pre = bwd_config.make_pre_config(main.dtype, head_dim_v, varlen_q=main.varlen_q, has_dlse=has_dlse,
+                                     dq_accum_cols=0 if flat else main.head_dim)
+    post = (sm90_bwd_config.make_post_config(main, head_dim) if flat
+            else bwd_config.make_post_config(main.dtype, head_dim, varlen_q=main.varlen_q))
+    return pre, post
 
 
 def _smem_optin(device: torch.device) -> Optional[int]:
@@ -149,22 +162,27 @@ def _without_launch(q, k, dq, dk, dv, args: AttnArgs) -> bool:
 
 
 def _run(backend, pre, post, launch_main, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, dq,
-         args: AttnArgs, num_batch: int, max_seqlen_q: int) -> None:
-    """Preprocess, main kernel (`launch_main()`, called with q's device current), postprocess, in
-    that order on the current stream of q's device."""
+         args: AttnArgs, num_batch: int, max_seqlen_q: int, launch_post=None) -> None:
+    """Preprocess, main kernel (`launch_main()`, called with q's device current), postprocess
+    (`launch_post()` where given, else the row kernel of `post`), in that order on the current
+    stream of q's device."""
     arch = backend.arch(q.device)
     fn_pre, _ = kernel_cache().get(pre, arch)
-    fn_post, _ = kernel_cache().get(post, arch)
+    fn_post = kernel_cache().get(post, arch)[0] if launch_post is None else None
     a = kernel_cache().args
     cu_q = a.tensor(args.cu_seqlens_q, 4)
     with a.context(q.device):
         fn_pre(
             a.tensor(out, 16), a.tensor(dout, 16), a.tensor(lse, 4), a.tensor(dlse, 4), a.tensor(lse_log2, 4),
-            a.tensor(delta, 4), a.tensor(dq_accum, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q), *a.stream(),
+            a.tensor(delta, 4), a.tensor(dq_accum if pre.dq_accum_cols else None, 16), cu_q, a.i32(num_batch),
+            a.i32(max_seqlen_q), *a.stream(),
         )
         launch_main()
-        fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),
-                a.f32(args.softmax_scale), *a.stream())
+        if launch_post is not None:
+            launch_post()
+        else:
+            fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),
+                    a.f32(args.softmax_scale), *a.stream())
 
 
 def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
@@ -222,6 +240,9 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
 
     # raises for what the kernel lacks
     pre, main, post = configs if configs is not None else sm90_configs(q, k, v, dlse, args, deterministic)
+    if (pre.dq_accum_cols == 0) != main.dq_flat:
+        raise ValueError("configs: the preprocess clears a row-major dQ accumulator exactly where the main kernel's "
+                         "is not flat (`pre_post` pairs them)")
     if _without_launch(q, k, dq, dk, dv, args):
         return
     num_batch, max_seqlen_q, max_seqlen_k = _sizes(q, k, args)
@@ -232,7 +253,12 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
     dlse = dlse.contiguous() if dlse is not None else None
     lse_log2 = _tma_row_stats(lse)
     delta = _tma_row_stats(lse)
-    dq_accum = torch.empty(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)  # cleared by `pre`
+    if main.dq_flat:
+        # (batch, head, padded seqlen, d), each query block's floats in accumulator order
+        rows = -(-max_seqlen_q // main.tile_m) * main.tile_m
+        dq_accum = torch.zeros(num_batch, q.shape[-2], rows, main.head_dim, dtype=torch.float32, device=q.device)
+    else:
+        dq_accum = torch.empty(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)  # cleared by `pre`
     # deterministic: one turn counter per (batch, head, query block)
     dq_sem = (torch.zeros(num_batch, q.shape[-2], -(-max_seqlen_q // main.tile_m), dtype=torch.int32, device=q.device)
               if main.deterministic else None)
@@ -250,5 +276,13 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
             m.f32(softcap_prescale), m.i32(args.window_left), m.i32(args.window_right), *m.stream(),
         )
 
+    launch_post = None
+    if main.dq_flat:
+        fn_post, _ = sm90_kernel_cache().get(post, backend.arch(q.device))
+
+        def launch_post():
+            fn_post(m.tensor(dq_accum, 16), m.tensor(dq, 16), m.i32(max_seqlen_q), m.f32(args.softmax_scale),
+                    *m.stream())
+
     _run(backend, pre, post, launch_main, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, dq, args,
-         num_batch, max_seqlen_q)
+         num_batch, max_seqlen_q, launch_post)

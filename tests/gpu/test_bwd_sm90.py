@@ -21,7 +21,7 @@ import torch
 
 from attention_oracle import (
     backend_or_skip, check_backward, check_repeated_backward, inputs_beyond_4gib, nan_framed_kv,
-    poisoned_backward_case, randn_in_nan, strided_qkv,
+    poisoned_backward_case, randn_in_nan, run_forward, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention
@@ -64,12 +64,12 @@ def _run(q, k, v, out, lse, dout, dlse, args: AttnArgs, deterministic=False):
 def _run_main_kernels(configs, q, k, v, out, lse, dout, args: AttnArgs) -> list:
     """(dq, dk, dv) of the sm_90 backward with each main-kernel configuration of `configs`, between
     the call's own pre- and postprocess kernels, every gradient buffer NaN-filled before its run."""
-    from cute_flash.backends.cute_bwd import backward_sm90, sm90_configs
+    from cute_flash.backends.cute_bwd import backward_sm90, pre_post
 
     backend = _backend()
-    pre, _, post = sm90_configs(q, k, v, None, args)
     runs = []
     for config in configs:
+        pre, post = pre_post(config, q.shape[-1], v.shape[-1], False)
         grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
         backward_sm90(backend, dout, q, k, v, out, lse, None, *grads, args, False, (pre, config, post))
         torch.cuda.synchronize()
@@ -270,6 +270,39 @@ def test_sm90_bwd_offsets_beyond_4gib():
     scale = alone_dq.abs().max().item()
     assert scale > 0 and alone_dk.abs().max().item() > 0
     assert (dq[1:] - alone_dq).abs().max().item() <= 2**-6 * scale
+
+
+def test_sm90_bwd_dq_accumulator_beyond_4gib():
+    """Q, dO and dQ of more than 2^31 elements, and a flat dQ accumulator (`dq_flat`) of more than
+    2^32 floats: batch 1 starts 4 GiB into q and 8 GiB into the accumulator. With 128 keys (one key
+    block) every accumulator float takes a single reduce-add, so batch 1's gradients must be
+    bit-identical to the same call on a copy of batch 1 alone, and its last 300 query rows (the
+    tail block among them) must match dQ computed from those rows in float32."""
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    torch.manual_seed(7)
+    seqlen_q, d = (1 << 21) + 40, 128
+    q = torch.randn(2, seqlen_q, 8, d, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(2, 128, 8, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    assert q[0].numel() >= 2**31
+    args = _args(d)
+    assert sm90_configs(q, k, v, None, args)[1].dq_flat
+    out, lse = run_forward(_backend(), q, k, v, args)
+    dout = torch.randn_like(out)
+    dq, dk, dv = _run(q, k, v, out, lse, dout, None, args)
+    alone = _run(*(t[1:].clone() for t in (q, k, v, out, lse, dout)), None, args)
+    assert all(torch.equal(g[1:], a) for g, a in zip((dq, dk, dv), alone))
+    # dQ of the last 300 rows of batch 1, every head, in float32 from the same out and lse
+    rows = slice(seqlen_q - 300, seqlen_q)
+    qr, o, do = (t[1, rows].float().transpose(0, 1) for t in (q, out, dout))  # (h, rows, d)
+    kk, vv = (t[1].float().transpose(0, 1) for t in (k, v))
+    p = torch.exp(qr @ kk.transpose(1, 2) * args.softmax_scale - lse[1, :, rows, None])
+    ds = p * (do @ vv.transpose(1, 2) - (do * o).sum(-1, keepdim=True))
+    ref = (ds @ kk * args.softmax_scale).transpose(0, 1)
+    got = dq[1, rows].float()
+    assert (got - ref).abs().max().item() <= 2**-7 * ref.abs().max().item() + 1e-3
+    del q, k, v, out, dout, dq, dk, dv, alone
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("d", [128, 192, 256])

@@ -43,6 +43,22 @@ def exp2f(x, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def bulk_reduce_add_f32(gmem_addr, smem_addr, nbytes: int, *, loc=None, ip=None):
+    """cp.reduce.async.bulk (1-D, add.f32) of `nbytes` from shared to global memory (bulk group)."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int64(gmem_addr).ir_value(loc=loc, ip=ip), cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], {nbytes};",
+        "l,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def log2f(x, *, loc=None, ip=None) -> Float32:
     """log2(x) with MUFU.LG2; only used once per row, on a positive sum."""
     return _unary_asm("lg2.approx.ftz.f32 $0, $1;", x, loc, ip)

@@ -137,6 +137,7 @@ from ..common.smem_layouts import (
 from ..common.tiles import COPY_BITS
 from ..common.timeline import TimelineCounters
 from ..common.utils import (
+    bulk_reduce_add_f32,
     acc_mn_view,
     elem_pointer,
     exp2f,
@@ -303,7 +304,7 @@ class FlashBwdSm90(TimelineCounters):
         mdO: cute.Tensor,  # like mQ with dv
         mLSE: cute.Tensor,  # float32 log2-space LSE (b, h, sq) or varlen (h, total_q); 16-byte strides
         mD: cute.Tensor,  # float32 rowsum(dO * O) - dlse, like mLSE
-        mdQaccum: cute.Tensor,  # float32, like mQ with the padded tile head dim
+        mdQaccum: cute.Tensor,  # float32, like mQ with the padded tile head dim; `dq_flat`: (b, h, padded sq, d)
         mdK: cute.Tensor,  # like mK
         mdV: cute.Tensor,  # like mV
         mCuSeqlensQ: Optional[cute.Tensor],
@@ -360,10 +361,12 @@ class FlashBwdSm90(TimelineCounters):
         stat_tile, stat_box = cute.select(sStat_layout, mode=[0]), (cfg.stat_box,)
         tma_LSE, tma_mLSE = cpasync.make_tiled_tma_atom(load, stats_view(mLSE, cfg.varlen_q), stat_tile, stat_box)
         tma_D, tma_mD = cpasync.make_tiled_tma_atom(load, stats_view(mD, cfg.varlen_q), stat_tile, stat_box)
-        tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), tma_view(mdQaccum, cfg.varlen_q),
-            cute.select(sdQ_layout, mode=[0, 1]), (cfg.dq_rows_per_wg, cfg.dq_cols),
-        )
+        tma_dQ, tma_mdQ = None, None
+        if cutlass.const_expr(not cfg.dq_flat):  # `dq_flat`: 1-D bulk reduce-adds into a flat mdQaccum
+            tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), tma_view(mdQaccum, cfg.varlen_q),
+                cute.select(sdQ_layout, mode=[0, 1]), (cfg.dq_rows_per_wg, cfg.dq_cols),
+            )
 
         K_major, MN_major = OperandMajorMode.K, OperandMajorMode.MN
         if cutlass.const_expr(cfg.keys_n):
@@ -415,7 +418,8 @@ class FlashBwdSm90(TimelineCounters):
         if cutlass.const_expr(cfg.lpt):
             grid = [num_n_blocks * num_heads_k * num_batch, 1, 1]
         self.kernel(
-            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdQsem, num_batch, num_n_blocks, lpt_heads,
+            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdQsem,
+            mdQaccum if cutlass.const_expr(cfg.dq_flat) else None, num_batch, num_n_blocks, lpt_heads,
             tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
             tma_dQ, tma_mdQ, softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout,
@@ -443,6 +447,7 @@ class FlashBwdSm90(TimelineCounters):
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mdQsem: Optional[cute.Tensor],
+        mdQflat: Optional[cute.Tensor],
         num_batch: Int32,
         num_n_blocks: Int32,
         lpt_heads: Int32,
@@ -483,7 +488,8 @@ class FlashBwdSm90(TimelineCounters):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_D, tma_dQ):
-                cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -565,7 +571,8 @@ class FlashBwdSm90(TimelineCounters):
                     )
                 if cutlass.const_expr(cfg.dq_writer):
                     if warp_idx == 1 and m_steps > 0:
-                        self.write_dq(tma_dQ, tma_mdQ, sdQ, seqlen, batch, walk, n_block, block_info, mdQsem)
+                        self.write_dq(tma_dQ, tma_mdQ, mdQflat, sdQ, seqlen, batch, walk, n_block, block_info,
+                                      mdQsem)
             else:
                 cute.arch.setmaxregister_increase(cfg.registers[0])
                 args = (
@@ -646,8 +653,8 @@ class FlashBwdSm90(TimelineCounters):
             pipeline_q.producer_tail(state)
 
     @cute.jit
-    def write_dq(self, tma_dQ, tma_mdQ, sdQ, seqlen: SeqlenInfo, batch, walk: QueryWalk, n_block,
-                 block_info: BlockInfo, mdQsem: Optional[cute.Tensor]):
+    def write_dq(self, tma_dQ, tma_mdQ, mdQflat: Optional[cute.Tensor], sdQ, seqlen: SeqlenInfo, batch,
+                 walk: QueryWalk, n_block, block_info: BlockInfo, mdQsem: Optional[cute.Tensor]):
         """The dQ writer warp (`dq_writer`): for every query block, in the consumers' order, each
         warpgroup's dQ tile goes to dQaccum by a TMA reduce-add as soon as it is written.
 
@@ -676,7 +683,10 @@ class FlashBwdSm90(TimelineCounters):
                     cute.arch.sync_warp()
                     # the reduce-adds (async proxy) come after the previous key block's
                     cute.arch.fence_proxy("async.global")
-                self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w, buf], seqlen, batch, head, m_block, w)
+                if cutlass.const_expr(cfg.dq_flat):
+                    self.reduce_add_dq_flat(mdQflat, sdQ[None, None, w, buf], batch, head, m_block, w)
+                else:
+                    self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ[None, None, w, buf], seqlen, batch, head, m_block, w)
                 if cutlass.const_expr(cfg.deterministic and w == NUM_CONSUMER_WGS - 1):
                     cute.arch.cp_async_bulk_wait_group(0)  # both reduce-adds performed, not just read
                     if lane == 0:
@@ -706,6 +716,20 @@ class FlashBwdSm90(TimelineCounters):
             tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
         )
         cute.copy(tma_dQ, tdQsdQ, tdQgdQ)
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def reduce_add_dq_flat(self, mdQflat: cute.Tensor, sdQ_wg, batch, head, m_block, wg_idx):
+        """`dq_flat`: one warpgroup's flat dQ tile added to its run of the query block's floats in
+        mdQaccum, (batch, head, padded seqlen, d), by a 1-D bulk reduce-add that one lane issues;
+        called by a whole warp. Where both warpgroups hold partial sums of the whole tile they add
+        into the same run (`Sm90BwdConfig.dq_chunks`)."""
+        cfg = self.cfg
+        chunk = cfg.dq_rows_per_wg * cfg.dq_cols
+        block = cute.local_tile(mdQflat[batch, head, None, None], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        gaddr = block.iterator.toint() + (wg_idx * chunk * 4 if cutlass.const_expr(cfg.dq_chunks > 1) else 0)
+        if cute.arch.lane_idx() == 0:
+            bulk_reduce_add_f32(gaddr, sdQ_wg.iterator.toint(), chunk * 4)
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
@@ -910,7 +934,7 @@ class FlashBwdSm90(TimelineCounters):
                     state.advance()
 
                 if cutlass.const_expr(cfg.dq_writer):
-                    self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it)
+                    self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it, sdQ[None, None, wg_idx, None])
                 else:
                     self.store_dq(r2s_dQ, acc_dQ, tdQsdQ[None, None, None, 0], dq_swap)
                     cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
@@ -1097,7 +1121,7 @@ class FlashBwdSm90(TimelineCounters):
                         cute.arch.barrier_arrive(barrier_id=self.barrier_ds_read + wg_idx,
                                                  number_of_threads=self.num_consumer_threads)
 
-                self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it)
+                self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it, sdQ[None, None, wg_idx, None])
                 warpgroup.wait_group(0)  # dK^T is in: the end of every read of this stage
                 pipeline_q.consumer_release(state)
                 state.advance()
@@ -1164,6 +1188,20 @@ class FlashBwdSm90(TimelineCounters):
         return r2s_dQ, tdQsdQ, DqSwap(pairing, odd_flip, mask, p.shift, pair_copy)
 
     @cute.jit
+    def store_dq_flat(self, acc_dQ, sdQ_tile):
+        """`dq_flat`: the accumulator in its register order, 128 bits per store: values 4 i .. 4 i + 3
+        of thread t at float 4 (128 i + t) of the warpgroup's flat tile, so that a warp's stores
+        are 512 consecutive bytes (no bank conflicts)."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        base = sdQ_tile.iterator.toint() + (cute.arch.thread_idx()[0] % 128) * 16
+        for i in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
+            vals = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            for v in cutlass.range_constexpr(4):
+                vals[v] = acc_dQ[4 * i + v]
+            ptr = cute.make_ptr(Float32, base + i * 128 * 16, cute.AddressSpace.smem, assumed_align=16)
+            cute.copy(atom, vals, cute.make_tensor(ptr, cute.make_layout(4)))
+
+    @cute.jit
     def store_dq(self, r2s_dQ, acc_dQ, tdQsdQ_buf, swap):
         """The dQ accumulator into one shared-memory tile (`dq_smem_copy`'s partition of it).
 
@@ -1194,7 +1232,7 @@ class FlashBwdSm90(TimelineCounters):
                 cute.copy(swap.pair_copy, values, cute.make_tensor(ptr, pair))
 
     @cute.jit
-    def write_dq_tile(self, r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it):
+    def write_dq_tile(self, r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it, sdQ_wg):
         """`dq_writer`: block `it`'s dQ tile into this warpgroup's shared-memory tile, once the
         writer warp's last reduce-add from it has read it, and (unless `dq_fence_late`) over to
         the writer."""
@@ -1202,7 +1240,10 @@ class FlashBwdSm90(TimelineCounters):
         buf = it % cfg.dq_stages
         if it >= cfg.dq_stages:
             cute.arch.barrier(barrier_id=self.dq_barrier(self.barrier_dq_empty, wg_idx, buf), number_of_threads=128 + 32)
-        self.store_dq(r2s_dQ, acc_dQ, tdQsdQ[None, None, None, buf], dq_swap)
+        if cutlass.const_expr(cfg.dq_flat):
+            self.store_dq_flat(acc_dQ, sdQ_wg[None, None, buf])
+        else:
+            self.store_dq(r2s_dQ, acc_dQ, tdQsdQ[None, None, None, buf], dq_swap)
         if cutlass.const_expr(not cfg.dq_fence_late):
             self.hand_over_dq(wg_idx, buf)
 

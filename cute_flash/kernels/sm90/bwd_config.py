@@ -278,6 +278,18 @@ class Sm90BwdConfig:
     # either (same A/B, ms: 128 4.97-5.08, causal 2.74-2.83; 192 6.05-6.11, causal 2.99-3.09;
     # 64 5.61-5.75, causal 2.94-3.07) and was not kept.
     dq_swap: bool = False
+    # dQ in accumulator order (`dq_flat`): each warpgroup stores its fp32 dQ with 128-bit stores,
+    # value group i of thread t at float 4 (128 i + t) of a flat shared tile, and adds the tile to
+    # dQaccum with one 1-D bulk reduce-add. dQaccum is then (batch, head, padded seqlen, d) with
+    # each query block's tile_m x d floats a run of `dq_chunks` such tiles (one per warpgroup
+    # where they hold different rows or columns, one both add into otherwise), which the sm_90
+    # postprocess (`bwd_post.py`) puts back in row order. Fixed-length calls with the dQ writer
+    # (varlen ones keep the row-major tile). Against the row-major tile with and without
+    # `dq_swap` (`ab_sm90_bwd.py --variants "row-major dQ,row-major dQ swapped"`, 2 x 4096, three
+    # rounds, ms) it was the fastest at every head dim, causal and not: 1-5% (hd128 1.202-1.207
+    # against 1.213-1.320 swapped; hd192 1.361-1.403 against 1.385-1.576; hd96, unswapped before,
+    # 1.365-1.408 against 1.439-1.451).
+    dq_flat: bool = False
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
     # 0 the SM, 1 the steps (query blocks), 2-7 the low 32 bits of the global nanosecond timer at
@@ -355,6 +367,8 @@ class Sm90BwdConfig:
             raise ValueError("dk_behind_dq and dk_after_dq exclude each other")
         if self.dq_fence_late and not self.dq_writer:
             raise ValueError("dq_fence_late needs dq_writer")
+        if self.dq_flat and (not self.dq_writer or self.varlen_q or self.dq_swap):
+            raise ValueError("dq_flat needs dq_writer and takes no varlen_q or dq_swap")
         if self.dq_stages not in (1, 2) or (self.dq_stages == 2 and not self.dq_writer):
             raise ValueError(f"dq_stages must be 1, or 2 with dq_writer; got {self.dq_stages}")
         if self.cluster_q and not self.pairs_key_blocks:
@@ -411,6 +425,11 @@ class Sm90BwdConfig:
         return self.head_dim // NUM_CONSUMER_WGS if self.dq_split else self.head_dim
 
     @property
+    def dq_chunks(self) -> int:
+        """`dq_flat`: flat dQ tiles per query block."""
+        return dq_chunks(self.dq_split, self.dq_rows)
+
+    @property
     def dq_rows_per_wg(self) -> int:
         """Rows of the dQ tile one warpgroup computes and reduce-adds."""
         return self.tile_m // NUM_CONSUMER_WGS if self.dq_rows else self.tile_m
@@ -462,7 +481,7 @@ class Sm90BwdConfig:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "keys_n", "single_dout", "dq_swap", "timeline", "cluster_q", "rotate_queries",
+                             "keys_n", "single_dout", "dq_swap", "dq_flat", "timeline", "cluster_q", "rotate_queries",
                              "deterministic") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
@@ -543,12 +562,16 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
         fields.setdefault("single_dout", True)
         if _unchecked(fields).smem_bytes > SMEM_LIMIT:
             fields["keys_n"] = fields["single_dout"] = False
+    # the flat dQ store where the writer warp issues the reduce-adds of a fixed-length call, unless
+    # the row-major tile's swap is asked for
+    flags_flat = fields.setdefault("dq_flat", fields["dq_writer"] and not fields.get("varlen_q", False)
+                                   and not fields.get("dq_swap", False))
     if not swap_asked:
         # not where it measured slower, on rotated walks and on the 96-key tile without a mask
         # (`dq_swap`); its pairs of 16-column halves need 32-column dQ tiles: not head dim 96's 48
         # (`dq_split`)
         fields["dq_swap"] = ((masked or not (fields["rotate_queries"] or fields["keys_n"]))
-                             and _unchecked(fields).dq_cols % 32 == 0)
+                             and _unchecked(fields).dq_cols % 32 == 0 and not flags_flat)
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
@@ -618,7 +641,18 @@ def shipped_configs() -> list:
     # the Q/dO-sharing clusters of unmasked calls with an even number of key blocks
     configs += [dataclasses.replace(make_config(dtype, d, d), cluster_q=True) for d in (64, 96) for dtype in DTYPES]
     configs += [dataclasses.replace(make_config("bfloat16", 64, 64, softcap=True), cluster_q=True)]
+    # the row-major dQ tile of fixed-length calls before `dq_flat`, for A/B
+    configs += [make_config("bfloat16", d, d, dq_flat=False) for d in (64, 128, 192)]
     return configs
+
+
+def shipped_post_configs() -> list:
+    """The flat-dQ postprocess of every `dq_flat` configuration of `shipped_configs` (and a padded
+    head dim)."""
+    from cute_flash.audit import distinct
+
+    flat = [c for c in shipped_configs() if c.dq_flat]
+    return distinct([make_post_config(c, c.head_dim) for c in flat] + [make_post_config(flat[0], flat[0].head_dim - 8)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -656,11 +690,64 @@ def fake_arguments(config: Sm90BwdConfig) -> tuple:
     )
 
 
-def compile_kernel(config: Sm90BwdConfig, options: str = "--gpu-arch sm_90a"):
-    """cute.compile the main backward kernel of `config` with extra compiler `options`."""
+def dq_chunks(dq_split: bool, dq_rows: bool) -> int:
+    """Flat dQ tiles per query block (`dq_flat`): one per warpgroup where they hold different
+    columns (`dq_split`) or rows (`dq_rows`); one that both add into where each holds a partial
+    sum of the whole tile."""
+    return NUM_CONSUMER_WGS if dq_split or dq_rows else 1
+
+
+@dataclass(frozen=True)
+class Sm90BwdPostConfig:
+    """The postprocess of a `dq_flat` main kernel (`bwd_post.py`): its dQ tiling, for putting the
+    flat accumulator back in row order."""
+
+    dtype: str
+    head_dim: int  # the main kernel's padded head dim of Q
+    check_hdim: bool
+    tile_m: int
+    dq_cols: int
+    dq_rows_per_wg: int
+    dq_split: bool
+    dq_rows: bool
+
+    @property
+    def dq_chunks(self) -> int:
+        return dq_chunks(self.dq_split, self.dq_rows)
+
+    @property
+    def varlen_q(self) -> bool:
+        """Fixed-length calls only: a varlen one keeps the row-major accumulator."""
+        return False
+
+    @property
+    def name(self) -> str:
+        tiling = "split" if self.dq_split else "rows" if self.dq_rows else "whole"
+        flags = ["padded"] if self.check_hdim else []
+        return "_".join(["bwdpost_sm90", self.dtype, f"hd{self.head_dim}", f"{self.tile_m}x{self.dq_cols}", tiling]
+                        + flags)
+
+
+def make_post_config(main: Sm90BwdConfig, head_dim: int) -> Sm90BwdPostConfig:
+    """The postprocess of a `dq_flat` main configuration, for Q's actual head dim."""
+    return Sm90BwdPostConfig(main.dtype, main.head_dim, head_dim != main.head_dim, main.tile_m, main.dq_cols,
+                             main.dq_rows_per_wg, main.dq_split, main.dq_rows)
+
+
+def compile_kernel(config, options: str = "--gpu-arch sm_90a"):
+    """cute.compile the main backward kernel of an `Sm90BwdConfig`, or the flat-dQ postprocess of
+    an `Sm90BwdPostConfig`, with extra compiler `options`."""
+    import cutlass
     import cutlass.cute as cute
 
-    from ..common.fake_tensors import fake_stream
+    from ..common.fake_tensors import element_type, fake_stream, fake_tensor
+
+    if isinstance(config, Sm90BwdPostConfig):
+        from .bwd_post import FlashBwdPostSm90
+
+        args = (fake_tensor(cutlass.Float32, 4, 4, 16), fake_tensor(element_type(config.dtype), 4, 8, 16),
+                cutlass.Int32(1), cutlass.Float32(1.0))
+        return cute.compile(FlashBwdPostSm90(config), *args, fake_stream(options), options=options)
     from .bwd import FlashBwdSm90
 
     return cute.compile(FlashBwdSm90(config), *fake_arguments(config), fake_stream(options), options=options)
@@ -702,7 +789,8 @@ def sweep_targets(arch: str) -> list:
 
 
 def audit_targets(arch: str) -> list:
-    """One audit target per shipped configuration (see `cute_flash.audit`); sm_90a only."""
+    """One audit target per shipped configuration and flat-dQ postprocess (see `cute_flash.audit`);
+    sm_90a only."""
     from cute_flash.audit import targets
 
-    return targets(arch, shipped_configs(), compile_kernel) if arch == "sm_90a" else []
+    return targets(arch, shipped_configs() + shipped_post_configs(), compile_kernel) if arch == "sm_90a" else []
