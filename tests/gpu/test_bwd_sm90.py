@@ -273,33 +273,36 @@ def test_sm90_bwd_offsets_beyond_4gib():
 
 
 def test_sm90_bwd_dq_accumulator_beyond_4gib():
-    """Q, dO and dQ of more than 2^31 elements, and a flat dQ accumulator (`dq_flat`) of more than
-    2^32 floats: batch 1 starts 4 GiB into q and 8 GiB into the accumulator. With 128 keys (one key
-    block) every accumulator float takes a single reduce-add, so batch 1's gradients must be
-    bit-identical to the same call on a copy of batch 1 alone, and its last 300 query rows (the
-    tail block among them) must match dQ computed from those rows in float32."""
+    """Q, dO and dQ of more than 2^31 elements (their last rows past it), and a flat dQ
+    accumulator (`dq_flat`) of 8 GiB whose last head starts 7 GiB in. With 128 keys (one key
+    block) every accumulator float takes a single reduce-add, so the last two heads' gradients
+    must be bit-identical to the same call on a copy of those heads alone (32-bit offsets would
+    send them elsewhere), and the last 300 query rows (the tail block among them) must match dQ
+    computed from those rows in float32."""
     from cute_flash.backends.cute_bwd import sm90_configs
 
     torch.manual_seed(7)
-    seqlen_q, d = (1 << 21) + 40, 128
-    q = torch.randn(2, seqlen_q, 8, d, dtype=torch.bfloat16, device="cuda")
-    k, v = (torch.randn(2, 128, 8, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    assert q[0].numel() >= 2**31
+    seqlen_q, h, d = (1 << 21) + 40, 8, 128
+    q = torch.randn(1, seqlen_q, h, d, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(1, 128, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    assert q.numel() > 2**31
     args = _args(d)
     assert sm90_configs(q, k, v, None, args)[1].dq_flat
     out, lse = run_forward(_backend(), q, k, v, args)
     dout = torch.randn_like(out)
     dq, dk, dv = _run(q, k, v, out, lse, dout, None, args)
-    alone = _run(*(t[1:].clone() for t in (q, k, v, out, lse, dout)), None, args)
-    assert all(torch.equal(g[1:], a) for g, a in zip((dq, dk, dv), alone))
-    # dQ of the last 300 rows of batch 1, every head, in float32 from the same out and lse
+    last = slice(h - 2, h)
+    alone = _run(*(t[:, :, last].clone() for t in (q, k, v, out)), lse[:, last].clone(),
+                 dout[:, :, last].clone(), None, args)
+    assert all(torch.equal(g[:, :, last], a) for g, a in zip((dq, dk, dv), alone))
+    # dQ of the last 300 rows, every head, in float32 from the same out and lse
     rows = slice(seqlen_q - 300, seqlen_q)
-    qr, o, do = (t[1, rows].float().transpose(0, 1) for t in (q, out, dout))  # (h, rows, d)
-    kk, vv = (t[1].float().transpose(0, 1) for t in (k, v))
-    p = torch.exp(qr @ kk.transpose(1, 2) * args.softmax_scale - lse[1, :, rows, None])
+    qr, o, do = (t[0, rows].float().transpose(0, 1) for t in (q, out, dout))  # (h, rows, d)
+    kk, vv = (t[0].float().transpose(0, 1) for t in (k, v))
+    p = torch.exp(qr @ kk.transpose(1, 2) * args.softmax_scale - lse[0, :, rows, None])
     ds = p * (do @ vv.transpose(1, 2) - (do * o).sum(-1, keepdim=True))
     ref = (ds @ kk * args.softmax_scale).transpose(0, 1)
-    got = dq[1, rows].float()
+    got = dq[0, rows].float()
     assert (got - ref).abs().max().item() <= 2**-7 * ref.abs().max().item() + 1e-3
     del q, k, v, out, dout, dq, dk, dv, alone
     torch.cuda.empty_cache()
