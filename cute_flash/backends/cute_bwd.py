@@ -13,7 +13,11 @@ order of the fp32 additions, and so the last bits of dQ, vary from run to run; w
 through a turn counter per (batch, head, query block), so dQ is the same on every run.
 
 `backward_sm90` is the same three steps with the sm_90 main kernel (`kernels/sm90/bwd.py`: TMA,
-WGMMA, warp-specialized) between the same preprocess and postprocess kernels. Its kernel loads
+WGMMA, warp-specialized). Where that kernel stores dQ flat, in its accumulator's order
+(`dq_flat`: fixed-length calls with the dQ writer warp), the accumulator is allocated cleared,
+(batch, head, padded seqlen, d), the preprocess leaves it alone and the sm_90 postprocess
+(`kernels/sm90/bwd_post.py`) puts dQ back in row order; otherwise the preprocess and
+postprocess are the sm_80 ones. Its kernel loads
 the LSE and D rows by TMA, whose global strides must be multiples of 16 bytes, so their buffers
 here have a row pitch padded to 4 floats (a box must also start 16-byte aligned: the kernel
 starts a varlen sequence's up to 3 rows early). With `deterministic=True` its dQ writer warp
@@ -45,8 +49,9 @@ def kernel_cache() -> KernelCache:
 
 
 def sm90_kernel_cache() -> KernelCache:
-    """The compile cache of the sm_90 main backward kernel (its preprocess and postprocess kernels
-    are the sm_80 ones, in `kernel_cache`)."""
+    """The compile cache of the sm_90 main backward kernel and of its flat-dQ postprocess (the
+    preprocess, and the postprocess of a row-major dQ accumulator, are the sm_80 ones, in
+    `kernel_cache`)."""
     global _sm90_cache
     if _sm90_cache is None:
         _sm90_cache = KernelCache(config_module=SM90_CONFIG_MODULE, sources=("common", "sm90"))
