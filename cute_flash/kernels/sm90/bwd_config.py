@@ -91,7 +91,8 @@ class BwdTile(NamedTuple):
 TILES = {
     64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True,
                 dq_fence_late=("plain", "masked"), dq_stages=2),
-    96: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain", "masked"), dq_stages=2),
+    96: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain", "masked"), dq_stages=2,
+                dk_behind_dq=True),
     128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain", "masked"),
                  dk_behind_dq=True),
     # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); at 256 one
@@ -187,7 +188,10 @@ class Sm90BwdConfig:
     # dS^T then also comes before any GEMM that reads the same registers.) On the H200 (bf16,
     # 2 x 4096, `benchmarks/ab_sm90_bwd.py`, best of 3 rounds): head dim 128 1.332 -> 1.260 ms,
     # causal 0.821 -> 0.796; at 96 with one dQ tile 1.736 -> 1.709, but with two 1.658 -> 1.700
-    # (causal 0.941 -> 0.956): shipped at head dim 128 only.
+    # (causal 0.941 -> 0.956): shipped at head dim 128 only then. With the flat dQ store
+    # (`dq_flat`) and the dQ column split at 96, head dim 96 gains too (same script, five
+    # rounds, ms, medians): 2 x 4096 1.398 -> 1.339, causal 0.779 -> 0.773; 2 x 8192 5.238 ->
+    # 5.056, causal 2.750 -> 2.622; 8 x 2048 1.468 -> 1.408, causal 0.863 -> 0.845: shipped there.
     dk_behind_dq: bool = False
     # Shared-memory dQ tiles per warpgroup (with `dq_writer`): with 2 a warpgroup writes a
     # block's tile while the writer warp's reduce-add may still be reading the previous one, and
