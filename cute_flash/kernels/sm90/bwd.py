@@ -47,6 +47,11 @@ formed in registers and dK/dV are written once, in the input dtype.
    `dq_writer` the producer warpgroup's second warp issues the reduce-adds: a consumer
    warpgroup writes its tile, arrives on a named barrier (DQ_FULL) and goes on, and waits
    (DQ_EMPTY) only if the previous reduce-add has not yet read the tile it is about to rewrite.
+   With `dq_flat` (fixed-length calls with the writer warp) the tile is not row-major: each
+   thread stores its accumulator registers in their own order, 128 bits at a time, into a flat
+   tile, which goes to a flat accumulator, (batch, head, padded seqlen, d), in one 1-D bulk
+   reduce-add (`cp.reduce.async.bulk ... add.f32`); the accumulator is allocated cleared, and an
+   sm_90 postprocess (`bwd_post.py`) puts the rows back in order.
    Two smaller ones, per head dim and mask (`bwd_config.py`): `stats_early` reads a block's
    LSE into registers before its S^T GEMM is issued, and `dq_fence_late` hands a dQ tile to the
    writer only after the next block's GEMMs are issued, so that the tile's stores drain meanwhile.
@@ -656,7 +661,8 @@ class FlashBwdSm90(TimelineCounters):
     def write_dq(self, tma_dQ, tma_mdQ, mdQflat: Optional[cute.Tensor], sdQ, seqlen: SeqlenInfo, batch,
                  walk: QueryWalk, n_block, block_info: BlockInfo, mdQsem: Optional[cute.Tensor]):
         """The dQ writer warp (`dq_writer`): for every query block, in the consumers' order, each
-        warpgroup's dQ tile goes to dQaccum by a TMA reduce-add as soon as it is written.
+        warpgroup's dQ tile goes to dQaccum by a TMA reduce-add (`dq_flat`: a 1-D bulk one) as
+        soon as it is written.
 
         `deterministic`: the key blocks that see a query block add into it in a fixed key-block
         order. The query block's turn counter (`mdQsem`) counts the key blocks that have added;
