@@ -568,14 +568,14 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
             fields["keys_n"] = fields["single_dout"] = False
     # the flat dQ store where the writer warp issues the reduce-adds of a fixed-length call, unless
     # the row-major tile's swap is asked for
-    flags_flat = fields.setdefault("dq_flat", fields["dq_writer"] and not fields.get("varlen_q", False)
+    flat = fields.setdefault("dq_flat", fields["dq_writer"] and not fields.get("varlen_q", False)
                                    and not fields.get("dq_swap", False))
     if not swap_asked:
         # not where it measured slower, on rotated walks and on the 96-key tile without a mask
         # (`dq_swap`); its pairs of 16-column halves need 32-column dQ tiles: not head dim 96's 48
         # (`dq_split`)
         fields["dq_swap"] = ((masked or not (fields["rotate_queries"] or fields["keys_n"]))
-                             and _unchecked(fields).dq_cols % 32 == 0 and not flags_flat)
+                             and _unchecked(fields).dq_cols % 32 == 0 and not flat)
     if flags["dkv_split"] and _unchecked(fields).smem_bytes > SMEM_LIMIT:
         # head dim 192: a varlen call's longer LSE / D boxes take two stages 1 KB past the limit
         fields["num_stages"] = 1
@@ -650,12 +650,12 @@ def shipped_configs() -> list:
     return configs
 
 
-def shipped_post_configs() -> list:
-    """The flat-dQ postprocess of every `dq_flat` configuration of `shipped_configs` (and a padded
-    head dim)."""
+def shipped_post_configs(mains=None) -> list:
+    """The flat-dQ postprocess of every `dq_flat` configuration of `mains` (default:
+    `shipped_configs()`), and one for a padded head dim."""
     from cute_flash.audit import distinct
 
-    flat = [c for c in shipped_configs() if c.dq_flat]
+    flat = [c for c in (shipped_configs() if mains is None else mains) if c.dq_flat]
     return distinct([make_post_config(c, c.head_dim) for c in flat] + [make_post_config(flat[0], flat[0].head_dim - 8)])
 
 
@@ -797,4 +797,7 @@ def audit_targets(arch: str) -> list:
     sm_90a only."""
     from cute_flash.audit import targets
 
-    return targets(arch, shipped_configs() + shipped_post_configs(), compile_kernel) if arch == "sm_90a" else []
+    if arch != "sm_90a":
+        return []
+    mains = shipped_configs()
+    return targets(arch, mains + shipped_post_configs(mains), compile_kernel)

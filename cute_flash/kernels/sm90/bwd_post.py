@@ -22,6 +22,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode
 
+from ..common.fake_tensors import element_type
 from .bwd_config import Sm90BwdPostConfig
 
 # bf16 / fp16 elements after each row of the shared-memory tile (16 bytes: see the docstring)
@@ -31,7 +32,7 @@ PAD = 8
 class FlashBwdPostSm90:
     def __init__(self, config: Sm90BwdPostConfig):
         self.cfg = config
-        self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+        self.dtype = element_type(config.dtype)
 
     @cute.jit
     def __call__(
