@@ -118,11 +118,21 @@ def test_shipped_configs_are_few_distinct_cache_keys():
 
 
 def test_config_names_tell_apart_every_flag():
-    for base in (bc.make_config("bfloat16", 64, 64), bc.make_pre_config("float16", 64, False, False),
+    for base in (bc.make_config("bfloat16", 64, 64), bc.make_pre_config("float16", 64, False, False, dq_accum_cols=64),
                  bc.make_post_config("float16", 64, False)):
         for f in fields(base):
             if isinstance(getattr(base, f.name), bool):
                 assert replace(base, **{f.name: not getattr(base, f.name)}).name != base.name, f.name
+
+
+def test_a_flat_dq_accumulator_is_cleared_only_whole_and_for_fixed_length_calls():
+    """The preprocess clears the sm_90 kernel's flat accumulator (`dq_flat`) whole: it needs its
+    columns, and a varlen call has no flat accumulator."""
+    assert bc.make_pre_config("bfloat16", 128, False, False, dq_accum_cols=128, dq_flat=True).dq_flat
+    with pytest.raises(ValueError, match="dq_flat"):
+        bc.make_pre_config("bfloat16", 128, False, False, dq_flat=True)
+    with pytest.raises(ValueError, match="dq_flat"):
+        bc.make_pre_config("bfloat16", 128, True, False, dq_accum_cols=128, dq_flat=True)
 
 
 def test_causal_and_local_exclude_each_other():

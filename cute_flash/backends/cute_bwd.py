@@ -14,10 +14,10 @@ through a turn counter per (batch, head, query block), so dQ is the same on ever
 
 `backward_sm90` is the same three steps with the sm_90 main kernel (`kernels/sm90/bwd.py`: TMA,
 WGMMA, warp-specialized). Where that kernel stores dQ flat, in its accumulator's order
-(`dq_flat`: fixed-length calls with the dQ writer warp), the accumulator is allocated cleared,
-(batch, head, padded seqlen, d), the preprocess leaves it alone and the sm_90 postprocess
-(`kernels/sm90/bwd_post.py`) puts dQ back in row order; otherwise the preprocess and
-postprocess are the sm_80 ones. Its kernel loads
+(`dq_flat`: fixed-length calls with the dQ writer warp), the accumulator is (batch, head,
+padded seqlen, d), which the preprocess clears whole, and the sm_90 postprocess
+(`kernels/sm90/bwd_post.py`) puts dQ back in row order; otherwise the postprocess is the sm_80
+one too. Its kernel loads
 the LSE and D rows by TMA, whose global strides must be multiples of 16 bytes, so their buffers
 here have a row pitch padded to 4 floats (a box must also start 16-byte aligned: the kernel
 starts a varlen sequence's up to 3 rows early). With `deterministic=True` its dQ writer warp
@@ -99,15 +99,15 @@ def _configs(arch: str, dtype: str, head_dim: int, head_dim_v: int, has_dlse: bo
 
 def pre_post(main, head_dim: int, head_dim_v: int, has_dlse: bool) -> tuple:
     """(preprocess, postprocess) configurations that go with a main backward configuration: the
-    preprocess also clears the dQ accumulator, as wide as the main kernel's tile, except a flat
-    one (`dq_flat`), which is allocated cleared (padded query blocks the row kernel does not reach)
-    and which the sm_90 postprocess puts back in row order."""
+    preprocess also clears the dQ accumulator, as wide as the main kernel's tile (a flat one,
+    `dq_flat`, whole, padded rows included), and the postprocess of a flat one is the sm_90
+    kernel's, which puts it back in row order."""
     from ..kernels.sm80 import bwd_config
     from ..kernels.sm90 import bwd_config as sm90_bwd_config
 
     flat = getattr(main, "dq_flat", False)
     pre = bwd_config.make_pre_config(main.dtype, head_dim_v, varlen_q=main.varlen_q, has_dlse=has_dlse,
-                                     dq_accum_cols=0 if flat else main.head_dim)
+                                     dq_accum_cols=main.head_dim, dq_flat=flat)
     post = (sm90_bwd_config.make_post_config(main, head_dim) if flat
             else bwd_config.make_post_config(main.dtype, head_dim, varlen_q=main.varlen_q))
     return pre, post
@@ -245,9 +245,9 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
 
     # raises for what the kernel lacks
     pre, main, post = configs if configs is not None else sm90_configs(q, k, v, dlse, args, deterministic)
-    if (pre.dq_accum_cols == 0) != main.dq_flat:
-        raise ValueError("configs: the preprocess clears a row-major dQ accumulator exactly where the main kernel's "
-                         "is not flat (`pre_post` pairs them)")
+    if pre.dq_flat != main.dq_flat or pre.dq_accum_cols != main.head_dim:
+        raise ValueError("configs: the preprocess must clear the main kernel's dQ accumulator, flat or row-major "
+                         "(`pre_post` pairs them)")
     if _without_launch(q, k, dq, dk, dv, args):
         return
     num_batch, max_seqlen_q, max_seqlen_k = _sizes(q, k, args)
@@ -259,9 +259,11 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
     lse_log2 = _tma_row_stats(lse)
     delta = _tma_row_stats(lse)
     if main.dq_flat:
-        # (batch, head, padded seqlen, d), each query block's floats in accumulator order
-        rows = -(-max_seqlen_q // main.tile_m) * main.tile_m
-        dq_accum = torch.zeros(num_batch, q.shape[-2], rows, main.head_dim, dtype=torch.float32, device=q.device)
+        # (batch, head, padded seqlen, d), each query block's floats in accumulator order; its rows
+        # a multiple of both kernels' query blocks, all cleared by `pre`
+        block = max(main.tile_m, pre.tile_m)
+        rows = -(-max_seqlen_q // block) * block
+        dq_accum = torch.empty(num_batch, q.shape[-2], rows, main.head_dim, dtype=torch.float32, device=q.device)
     else:
         dq_accum = torch.empty(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)  # cleared by `pre`
     # deterministic: one turn counter per (batch, head, query block)

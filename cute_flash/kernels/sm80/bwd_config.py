@@ -187,6 +187,9 @@ class Sm80BwdPreConfig:
     has_dlse: bool = False
     # columns of the dQ accumulator (the main kernel's padded head dim) to clear; 0: none
     dq_accum_cols: int = 0
+    # the accumulator is the sm_90 kernel's flat one (`Sm90BwdConfig.dq_flat`): (batch, head,
+    # padded seqlen, dq_accum_cols), its padded rows a multiple of `tile_m`, all cleared
+    dq_flat: bool = False
     tile_m: int = 64
     num_threads: int = 128
 
@@ -194,13 +197,16 @@ class Sm80BwdPreConfig:
         if self.dq_accum_cols % 4 or (self.tile_m * self.dq_accum_cols // 4) % self.num_threads:
             raise ValueError(f"dq_accum_cols must be a multiple of 8 (whole 128-bit stores on every thread); "
                              f"got {self.dq_accum_cols}")
+        if self.dq_flat and (not self.dq_accum_cols or self.varlen_q):
+            raise ValueError("dq_flat clears a flat dQ accumulator of fixed-length calls: it needs dq_accum_cols "
+                             "and takes no varlen_q")
 
     @property
     def name(self) -> str:
         flags = [f for f, on in (("paddedv", self.check_hdim_v), ("varlen_q", self.varlen_q),
                                  ("dlse", self.has_dlse)) if on]
         if self.dq_accum_cols:
-            flags.append(f"dq{self.dq_accum_cols}")
+            flags.append(f"dq{self.dq_accum_cols}" + ("flat" if self.dq_flat else ""))
         return "_".join(["bwdpre_sm80", self.dtype, f"hdv{self.head_dim_v}"] + flags)
 
 
@@ -226,9 +232,9 @@ def _row_kernel_cols(d: int) -> int:
 
 
 def make_pre_config(dtype: str, head_dim_v: int, varlen_q: bool, has_dlse: bool,
-                    dq_accum_cols: int = 0) -> Sm80BwdPreConfig:
+                    dq_accum_cols: int = 0, dq_flat: bool = False) -> Sm80BwdPreConfig:
     cols = _row_kernel_cols(head_dim_v)
-    return Sm80BwdPreConfig(dtype, cols, cols != head_dim_v, varlen_q, has_dlse, dq_accum_cols)
+    return Sm80BwdPreConfig(dtype, cols, cols != head_dim_v, varlen_q, has_dlse, dq_accum_cols, dq_flat)
 
 
 def make_post_config(dtype: str, head_dim: int, varlen_q: bool) -> Sm80BwdPostConfig:
@@ -351,6 +357,8 @@ def shipped_configs() -> list:
         make_config("float16", 96, 128, causal=True),  # ROW_COPY_FALLBACKS
         make_config("bfloat16", 256, 96, local=True, softcap=True, deterministic=True),
         make_pre_config("bfloat16", 256, varlen_q=False, has_dlse=False, dq_accum_cols=256),
+        # the sm_90 kernel's flat accumulator (`dq_flat`)
+        make_pre_config("bfloat16", 128, varlen_q=False, has_dlse=True, dq_accum_cols=128, dq_flat=True),
         make_post_config("bfloat16", 256, varlen_q=False),
         make_config("bfloat16", 256, 256, causal=True, smem_limit=227 * 1024),  # LARGE_SMEM_TILES
     ]

@@ -12,7 +12,10 @@ instead of exp2(-inf + inf) = NaN.
 
 With `dq_accum_cols` the CTA also clears its rows of the fp32 dQ accumulator that the main
 kernel adds into (128-bit stores, whole rows), so the host needs no separate fill (a launch, and
-a pass over the accumulator, saved per backward).
+a pass over the accumulator, saved per backward). A flat accumulator (`dq_flat`: the sm_90
+kernel's (batch, head, padded seqlen, d), each query block's floats in accumulator order) is
+cleared whole, padding rows included: the grid then covers its padded rows, and the CTAs past
+the sequence's end only clear.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ class FlashBwdPreSm80:
         mdLSE: Optional[cute.Tensor],  # like mLSE
         mLSElog2: cute.Tensor,  # like mLSE (written)
         mD: cute.Tensor,  # like mLSE (written)
-        mdQaccum: Optional[cute.Tensor],  # float32 (b, sq, h, dq_accum_cols) or varlen (total_q, h, ...), cleared
+        # float32 (b, sq, h, dq_accum_cols) or varlen (total_q, h, ...), or flat (b, h, padded sq,
+        # dq_accum_cols) with `dq_flat`; cleared
+        mdQaccum: Optional[cute.Tensor],
         mCuSeqlensQ: Optional[cute.Tensor],
         num_batch: Int32,
         max_seqlen_q: Int32,
@@ -53,8 +58,10 @@ class FlashBwdPreSm80:
         # 128-bit vectors, PRE_THREADS_PER_ROW threads per row
         gmem_copy = make_s2g_copy(self.dtype, cfg.num_threads, PRE_THREADS_PER_ROW * 128 // self.dtype.width)
         num_heads = mO.shape[2] if cutlass.const_expr(not cfg.varlen_q) else mO.shape[1]
+        # a flat accumulator's padded rows (a multiple of tile_m, at least max_seqlen_q) set the grid
+        rows = mdQaccum.shape[2] if cutlass.const_expr(cfg.dq_flat) else max_seqlen_q
         self.kernel(mO, mdO, mLSE, mdLSE, mLSElog2, mD, mdQaccum, mCuSeqlensQ, gmem_copy).launch(
-            grid=[(max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m, num_heads, num_batch],
+            grid=[(rows + cfg.tile_m - 1) // cfg.tile_m, num_heads, num_batch],
             block=[cfg.num_threads, 1, 1],
             stream=stream,
         )
@@ -118,20 +125,28 @@ class FlashBwdPreSm80:
                     gD[row] = acc
                     lse = gLSE[row]
                     gLSElog2[row] = Float32.inf if lse == -Float32.inf else lse * LOG2_E
-            if cutlass.const_expr(cfg.dq_accum_cols):
-                self.clear_rows(mdQaccum, seqlen, batch, head, m_block, rows, tidx)
+            if cutlass.const_expr(cfg.dq_accum_cols and not cfg.dq_flat):
+                gAcc = cute.local_tile(seqlen.q_rows(mdQaccum, batch, head), (cfg.tile_m, cfg.dq_accum_cols),
+                                       (m_block, 0))
+                self.clear_rows(gAcc, rows, tidx)
+        if cutlass.const_expr(cfg.dq_flat):
+            # every row of the padded accumulator is the grid's (a multiple of tile_m rows)
+            gAcc = cute.local_tile(mdQaccum[batch, head, None, None], (cfg.tile_m, cfg.dq_accum_cols), (m_block, 0))
+            self.clear_rows(gAcc, None, tidx)
 
     @cute.jit
-    def clear_rows(self, mdQaccum: cute.Tensor, seqlen: SeqlenInfo, batch, head, m_block, rows, tidx):
-        """Zero this CTA's rows (those below the sequence's end) of the dQ accumulator, 4 floats
-        per store, consecutive threads on consecutive columns."""
+    def clear_rows(self, gAcc: cute.Tensor, rows, tidx):
+        """Zero the first `rows` rows (None: all) of this CTA's (tile_m, dq_accum_cols) tile of the
+        dQ accumulator, 4 floats per store, consecutive threads on consecutive columns."""
         cfg = self.cfg
         vecs_per_row = cfg.dq_accum_cols // 4
-        gAcc = cute.local_tile(seqlen.q_rows(mdQaccum, batch, head), (cfg.tile_m, cfg.dq_accum_cols), (m_block, 0))
         zero = cute.make_rmem_tensor(4, Float32)
         zero.fill(0.0)
         for i in cutlass.range_constexpr(cfg.tile_m * vecs_per_row // cfg.num_threads):
             vec = tidx + i * cfg.num_threads
             row = vec // vecs_per_row
-            if row < rows:
-                cute.autovec_copy(zero, cute.local_tile(gAcc[row, None], (4,), (vec % vecs_per_row,)))
+            dst = cute.local_tile(gAcc[row, None], (4,), (vec % vecs_per_row,))
+            if cutlass.const_expr(rows is None):
+                cute.autovec_copy(zero, dst)
+            elif row < rows:
+                cute.autovec_copy(zero, dst)

@@ -50,7 +50,7 @@ formed in registers and dK/dV are written once, in the input dtype.
    With `dq_flat` (fixed-length calls with the writer warp) the tile is not row-major: each
    thread stores its accumulator registers in their own order, 128 bits at a time, into a flat
    tile, which goes to a flat accumulator, (batch, head, padded seqlen, d), in one 1-D bulk
-   reduce-add (`cp.reduce.async.bulk ... add.f32`); the accumulator is allocated cleared, and an
+   reduce-add (`cp.reduce.async.bulk ... add.f32`); the preprocess clears the accumulator, and an
    sm_90 postprocess (`bwd_post.py`) puts the rows back in order.
    Two smaller ones, per head dim and mask (`bwd_config.py`): `stats_early` reads a block's
    LSE into registers before its S^T GEMM is issued, and `dq_fence_late` hands a dQ tile to the
