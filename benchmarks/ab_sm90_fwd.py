@@ -13,6 +13,8 @@ Cases: bf16, head dims 64 / 128 / 256, causal and not, batch x seqlen x heads = 
   row keeps its exp reference while its max grows by at most 8 in log2 units, and a warp skips
   O's rescale when none of its rows changed reference; `eager` (`lazy_rescale=False`, shipped at
   head dim 64): every block moves the reference and rescales O;
+* with a causal mask, `compares` (`mask_bits=False`): each masked element's column compared
+  with its row's limit, instead of the limit turned into a bit mask of the row's elements;
 * at head dim 256 only: `n80` (tile_n 80 instead of 64) and `late` (`rescale_o_before_pv=False`:
   O rescaled after P·V is waited for);
 * the other schedules where the tile table allows persistence (head dims 64 and 128): `grid`
@@ -61,6 +63,8 @@ def variants(head_dim: int, causal: bool) -> list:
         out += [("persist", replace(shipped, persistent=True))]
     if shipped.tile_counter:  # persistent CTAs taking the tiles by a fixed stride
         out += [("stride", replace(shipped, tile_counter=False))]
+    if causal:  # the mask by a comparison per element instead of bit masks
+        out += [("compares", replace(shipped, mask_bits=False))]
     if head_dim == 256:
         out += [("n80", replace(shipped, tile_n=80)), ("late", replace(shipped, rescale_o_before_pv=False))]
     return out

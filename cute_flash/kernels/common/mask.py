@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .utils import acc_mn_view
+from .utils import acc_mn_view, high_bits_from, low_bits
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class AttentionMask:
     seqlen_k: Int32
     window_left: Int32  # effective (>= 0), used only by local masks
     window_right: Int32
+    # rows of MMA accumulator columns masked through bit masks (R2P) rather than a comparison per
+    # column (see `apply`); False for A/B
+    by_bits: cutlass.Constexpr[bool] = True
 
     @cute.jit
     def apply(
@@ -40,18 +43,27 @@ class AttentionMask:
 
         tScS_mn holds this thread's tile-relative (row, col) coordinates and t0ScS_mn thread 0's.
         The latter are compile-time constants, so each comparison below is against an immediate
-        once this thread's own offset has been moved into the (per-row) limit.
+        once this thread's own offset has been moved into the (per-row) limit. Where a row's
+        columns are those of an MMA accumulator (`mma_columns`), a row's limit becomes a count of
+        its elements and a bit mask of them, which ptxas moves into predicates seven at a time
+        (R2P) instead of comparing every column.
         """
         acc_S_mn = acc_mn_view(acc_S)
         thr_row, thr_col = tScS_mn[0, 0]
         col_base = n_block * self.tile_n + thr_col
+        ncols = cute.size(tScS_mn, mode=[1])
+        by_bits = self.by_bits and mma_columns([t0ScS_mn[0, c][1] for c in range(ncols)])
         if cutlass.const_expr(not mask_causal and not mask_local):
             if cutlass.const_expr(mask_seqlen):
                 col_end = self.seqlen_k - col_base
-                for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
-                    if t0ScS_mn[0, c][1] >= col_end:
-                        for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
-                            acc_S_mn[r, c] = -Float32.inf
+                if cutlass.const_expr(by_bits):
+                    for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
+                        hide_by_bits(acc_S_mn, r, ncols, col_end, None)
+                else:
+                    for c in cutlass.range_constexpr(ncols):
+                        if t0ScS_mn[0, c][1] >= col_end:
+                            for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
+                                acc_S_mn[r, c] = -Float32.inf
         else:
             right = 0 if cutlass.const_expr(mask_causal) else self.window_right
             row_base = m_block * self.tile_m + thr_row
@@ -64,9 +76,46 @@ class AttentionMask:
                 if cutlass.const_expr(mask_seqlen):
                     col_end = cutlass.min(col_end, self.seqlen_k - col_base)
                 col_begin = row + offset - self.window_left
-                for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
-                    col = t0ScS_mn[0, c][1]
-                    hidden = col >= col_end
-                    if cutlass.const_expr(mask_local):
-                        hidden = hidden | (col < col_begin)
-                    acc_S_mn[r, c] = -Float32.inf if hidden else acc_S_mn[r, c]
+                if cutlass.const_expr(by_bits):
+                    hide_by_bits(acc_S_mn, r, ncols, col_end, col_begin if cutlass.const_expr(mask_local) else None)
+                else:
+                    for c in cutlass.range_constexpr(ncols):
+                        col = t0ScS_mn[0, c][1]
+                        hidden = col >= col_end
+                        if cutlass.const_expr(mask_local):
+                            hidden = hidden | (col < col_begin)
+                        acc_S_mn[r, c] = -Float32.inf if hidden else acc_S_mn[r, c]
+
+
+def mma_columns(cols: list) -> bool:
+    """Whether a thread's columns of an accumulator row, relative to its first, are those of the
+    MMA accumulators of both arches (mma.sync's n8 tiles, WGMMA's rows): pairs 8 apart, 0, 1, 8,
+    9, 16, 17, ..., as compile-time integers. Element j then is left of a column limit L >= 0
+    exactly when j < 2 * (L // 8) + min(L % 8, 2) (`elements_left_of`)."""
+    return all(isinstance(c, int) for c in cols) and list(cols) == [j // 2 * 8 + j % 2 for j in range(len(cols))]
+
+
+@cute.jit
+def elements_left_of(col_limit: Int32) -> Int32:
+    """How many of a thread's `mma_columns` elements of a row lie left of `col_limit` (relative to
+    its first column; any value)."""
+    lim = cutlass.max(col_limit, 0)
+    return (lim >> 3) * 2 + cutlass.min(lim & 7, 2)
+
+
+@cute.jit
+def hide_by_bits(acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], ncols: cutlass.Constexpr[int], col_end: Int32,
+                 col_begin):
+    """-inf into row r's elements at or right of `col_end`, and left of `col_begin` unless None
+    (limits relative to the thread's first column, any value), through a keep-mask of 32 elements
+    at a time whose bits ptxas turns into predicates (R2P)."""
+    keep_end = elements_left_of(col_end)
+    keep_begin = elements_left_of(col_begin) if cutlass.const_expr(col_begin is not None) else None
+    for chunk in cutlass.range_constexpr((ncols + 31) // 32):
+        first = chunk * 32
+        keep = low_bits(cutlass.max(cutlass.min(keep_end - first, 32), 0))
+        if cutlass.const_expr(keep_begin is not None):
+            keep = keep & high_bits_from(cutlass.max(cutlass.min(keep_begin - first, 32), 0))
+        for i in cutlass.range_constexpr(min(32, ncols - first)):
+            visible = cutlass.Boolean(keep & cutlass.Uint32(1 << i))
+            acc_S_mn[r, first + i] = acc_S_mn[r, first + i] if visible else -Float32.inf

@@ -58,6 +58,33 @@ def bulk_reduce_add_f32(gmem_addr, smem_addr, nbytes: int, *, loc=None, ip=None)
     )
 
 
+def _u32_asm(ptx: str, a, b, loc=None, ip=None) -> cutlass.Uint32:
+    return cutlass.Uint32(llvm.inline_asm(
+        T.i32(),
+        [cutlass.Uint32(a).ir_value(loc=loc, ip=ip), cutlass.Uint32(b).ir_value(loc=loc, ip=ip)],
+        ptx,
+        "=r,r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    ))
+
+
+@dsl_user_op
+def low_bits(n, *, loc=None, ip=None) -> cutlass.Uint32:
+    """The 32-bit word whose lowest `n` bits are set, for 0 <= n <= 32 (PTX clamps a shift by 32
+    or more to an all-zero result, where a shift in C or LLVM would be undefined)."""
+    return _u32_asm("shr.b32 $0, $1, $2;", 0xFFFFFFFF, cutlass.Uint32(32 - n), loc, ip)
+
+
+@dsl_user_op
+def high_bits_from(n, *, loc=None, ip=None) -> cutlass.Uint32:
+    """The 32-bit word with bits n .. 31 set, for 0 <= n <= 32 (none for 32)."""
+    return _u32_asm("shl.b32 $0, $1, $2;", 0xFFFFFFFF, cutlass.Uint32(n), loc, ip)
+
+
 @dsl_user_op
 def log2f(x, *, loc=None, ip=None) -> Float32:
     """log2(x) with MUFU.LG2; only used once per row, on a positive sum."""

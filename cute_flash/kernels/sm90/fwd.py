@@ -364,9 +364,8 @@ class FlashFwdSm90(TimelineCounters):
                     cute.arch.setmaxregister_increase(cfg.registers[0])
                     n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
                     ctidx = tidx - 128
-                    mask = AttentionMask(
-                        cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff, window_right_eff
-                    )
+                    mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff,
+                                         window_right_eff, cfg.mask_bits)
                     self.consume(
                         ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
                         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
@@ -530,7 +529,7 @@ class FlashFwdSm90(TimelineCounters):
         m_block, head, batch, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
         if m_block * cfg.tile_m < seqlen.seqlen_q:
             n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
-            mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, left, right)
+            mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, left, right, cfg.mask_bits)
             q_state, kv_state = self.consume(
                 *consume_args, seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
                 softmax_scale_log2, softcap_prescale, states=(q_state, kv_state),

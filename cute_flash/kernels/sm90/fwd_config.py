@@ -139,6 +139,10 @@ class Sm90FwdConfig:
     # reads from L2 (`with_cluster_kv`: unmasked calls without varlen or seqused_k, with an even
     # number of query blocks, on tiles of 96 keys or more).
     cluster_kv: bool = False
+    # Causal, window and key-tail masks of a row through a bit mask of its elements, which ptxas
+    # turns into predicates seven at a time (R2P; `AttentionMask.apply`), instead of one integer
+    # comparison per element (False: for A/B)
+    mask_bits: bool = True
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -210,6 +214,8 @@ class Sm90FwdConfig:
             flags.append("timeline")
         if self.cluster_kv:
             flags.append("cluster")
+        if not self.mask_bits:
+            flags.append("cmpmask")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}wg{self.num_consumer_wgs}s{self.num_stages}"
         return "_".join(["fwd_sm90", self.dtype, hd, tile] + flags)
@@ -312,6 +318,8 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", d, d, causal=causal, persistent=False)
                 for d in (64, 128) for causal in (False, True)]
     configs += [make_config("bfloat16", d, d, causal=True, tile_counter=False) for d in (64, 128)]
+    # causal masks by a comparison per element instead of bit masks, for A/B
+    configs += [make_config("bfloat16", d, d, causal=True, mask_bits=False) for d in (64, 128)]
     # the K/V-sharing clusters of unmasked calls with an even number of query blocks
     configs += [replace(make_config(dtype, d, d), cluster_kv=True) for d in (64, 96, 128, 192) for dtype in DTYPES]
     configs += [replace(make_config("bfloat16", 128, 128, softcap=True), cluster_kv=True),
