@@ -17,8 +17,9 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   (off), `dq_swap` (off), `rotate_queries` (`rotate` / `no rotate`), one more Q / dO stage where
   it fits (head dim 64), where the 96-key tile ships (`keys_n`), the 64-key column-split tile
   (`64 keys`), the row-major dQ tile in place of the flat one (`row-major dQ`, and with the
-  swap where the tile's columns allow it, `row-major dQ swapped`), and `deterministic` (ordered
-  dQ reduce-adds, without clusters or rotation);
+  swap where the tile's columns allow it, `row-major dQ swapped`), with a causal mask the masked
+  path's verdicts by a comparison per (key, query) pair instead of bit masks (`compares`), and
+  `deterministic` (ordered dQ reduce-adds, without clusters or rotation);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the preprocess and postprocess kernels of its dQ accumulator
@@ -95,6 +96,9 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
         flips.append(("row-major dQ", {"dq_flat": False}))
         if shipped.dq_cols % 32 == 0:
             flips.append(("row-major dQ swapped", {"dq_flat": False, "dq_swap": True}))
+    if shipped.causal or shipped.local:
+        # the masked path's (key, query) verdicts by a comparison each instead of bit masks
+        flips.append(("compares", {"mask_bits": False}))
     # each CTA's walk over the query blocks from a start spread over the range, or from the first
     flips.append(("no rotate" if shipped.rotate_queries else "rotate", {"rotate_queries": not shipped.rotate_queries}))
     flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))

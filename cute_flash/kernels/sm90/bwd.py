@@ -133,6 +133,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from ..common.block_info import BlockInfo, effective_window
+from ..common.mask import elements_left_of, mma_columns
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import (
     swizzle_params,
@@ -146,6 +147,8 @@ from ..common.utils import (
     acc_mn_view,
     elem_pointer,
     exp2f,
+    high_bits_from,
+    low_bits,
     make_s2g_copy,
     pass_turn,
     store_staged_rows,
@@ -1346,6 +1349,11 @@ class FlashBwdSm90(TimelineCounters):
         key_mode = 1 - query_mode
         acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
         rP_mn = acc_mn_view(acc_as_mma_sync(rP))
+        rows, cols = (cute.size(acc_S_mn, mode=[m]) for m in (0, 1))
+        visible_bits = None
+        if cutlass.const_expr(limits is not None and cfg.mask_bits and cols <= 32
+                              and mma_columns([t0ScS_mn[0, c][1] for c in range(cols)])):
+            visible_bits = self.visible_bits(t0ScS_mn, limits, rows, query_mode)
         for i in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[query_mode])):
             q = t0ScS_mn[(0, i) if cutlass.const_expr(query_mode == 1) else (i, 0)][query_mode]
             lse = lse_r[i] if cutlass.const_expr(lse_r is not None) else sLSE_thr[q]
@@ -1355,7 +1363,10 @@ class FlashBwdSm90(TimelineCounters):
                 if cutlass.const_expr(cfg.softcap):
                     s = tanhf(s * softcap_prescale)
                 p = exp2f(s * softmax_scale_log2 - lse)
-                if cutlass.const_expr(limits is not None):
+                if cutlass.const_expr(visible_bits is not None):
+                    visible = cutlass.Boolean(visible_bits[rc[0]] & cutlass.Uint32(1 << rc[1]))
+                    p = p if visible else Float32(0.0)
+                elif cutlass.const_expr(limits is not None):
                     k = t0ScS_mn[rc][key_mode]
                     hidden = (k >= limits[0]) | (q >= limits[1])
                     if cutlass.const_expr(cfg.causal or cfg.local):
@@ -1367,6 +1378,38 @@ class FlashBwdSm90(TimelineCounters):
                     rP_mn[rc] = p.to(self.dtype)
                     p = p * (1.0 - s * s)
                 acc_S_mn[rc] = p
+
+    @cute.jit
+    def visible_bits(self, t0ScS_mn, limits, rows: cutlass.Constexpr[int], query_mode: cutlass.Constexpr[int]) -> list:
+        """`mask_bits`: per row of the accumulator, a word whose bit c says whether column c's
+        (key, query) pair is visible under `limits` (`hidden_limits`), so that ptxas moves a row's
+        verdicts into predicates (R2P) instead of comparing each pair. The columns are queries in
+        S^T (`query_mode` 1) and keys in the S of `keys_n`; a row's constraints on them become
+        element counts (`elements_left_of`), and a row wholly outside its sequence keeps nothing."""
+        cfg = self.cfg
+        masked = cfg.causal or cfg.local
+        words = []
+        for r in cutlass.range_constexpr(rows):
+            x = t0ScS_mn[r, 0][0]  # the row's key (S^T) or query (S)
+            if cutlass.const_expr(query_mode == 1):
+                # queries q: q < seqlen limit; k - q <= right limit: q >= k - limits[2];
+                # k - q >= left limit: q < k - limits[3] + 1
+                word = low_bits(cutlass.min(elements_left_of(limits[1]), 32))
+                if cutlass.const_expr(masked):
+                    word = word & high_bits_from(cutlass.min(elements_left_of(x - limits[2]), 32))
+                if cutlass.const_expr(cfg.local):
+                    word = word & low_bits(cutlass.min(elements_left_of(x - limits[3] + 1), 32))
+                outside = x >= limits[0]
+            else:
+                # keys k: k < seqlen limit; k <= q + right limit; k >= q + left limit
+                word = low_bits(cutlass.min(elements_left_of(limits[0]), 32))
+                if cutlass.const_expr(masked):
+                    word = word & low_bits(cutlass.min(elements_left_of(x + limits[2] + 1), 32))
+                if cutlass.const_expr(cfg.local):
+                    word = word & high_bits_from(cutlass.min(elements_left_of(x + limits[3]), 32))
+                outside = x >= limits[1]
+            words.append(cutlass.Uint32(0) if outside else word)
+        return words
 
     @cute.jit
     def zero_rows(self, sX, cols: cutlass.Constexpr, rows_valid, ctidx, wg_idx):

@@ -323,6 +323,10 @@ class Sm90BwdConfig:
     # rotation; with a mask the turns go from the last key block down, `shortest_first`); dK and
     # dV are summed in registers, in a fixed order, already.
     deterministic: bool = False
+    # The masked path's verdicts through a bit mask per accumulator row (`FlashBwdSm90.visible_bits`),
+    # which ptxas moves into predicates (R2P), instead of comparing every (key, query) pair
+    # (False: for A/B)
+    mask_bits: bool = True
 
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
     registers = REGISTERS
@@ -490,6 +494,8 @@ class Sm90BwdConfig:
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
+        if not self.mask_bits:
+            flags.append("cmpmask")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
         return "_".join(["bwd_sm90", self.dtype, hd, tile] + flags)
 
@@ -647,6 +653,8 @@ def shipped_configs() -> list:
     configs += [dataclasses.replace(make_config("bfloat16", 64, 64, softcap=True), cluster_q=True)]
     # the row-major dQ tile of fixed-length calls before `dq_flat`, for A/B
     configs += [make_config("bfloat16", d, d, dq_flat=False) for d in (64, 128, 192)]
+    # the masked path by a comparison per pair instead of bit masks, for A/B
+    configs += [make_config("bfloat16", d, d, causal=True, mask_bits=False) for d in (64, 128, 192)]
     return configs
 
 
