@@ -166,28 +166,32 @@ def _without_launch(q, k, dq, dk, dv, args: AttnArgs) -> bool:
     return False
 
 
-def _run(backend, pre, post, launch_main, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, dq,
-         args: AttnArgs, num_batch: int, max_seqlen_q: int, launch_post=None) -> None:
-    """Preprocess, main kernel (`launch_main()`, called with q's device current), postprocess
-    (`launch_post()` where given, else the row kernel of `post`), in that order on the current
-    stream of q's device."""
-    arch = backend.arch(q.device)
-    fn_pre, _ = kernel_cache().get(pre, arch)
-    fn_post = kernel_cache().get(post, arch)[0] if launch_post is None else None
+def _run(backend, pre, launch_main, launch_post, q, out, dout, lse, dlse, lse_log2, delta, dq_accum,
+         args: AttnArgs, num_batch: int, max_seqlen_q: int) -> None:
+    """Preprocess, main kernel, postprocess (`launch_main()`, `launch_post()`, called with q's
+    device current), in that order on the current stream of q's device."""
+    fn_pre, _ = kernel_cache().get(pre, backend.arch(q.device))
     a = kernel_cache().args
-    cu_q = a.tensor(args.cu_seqlens_q, 4)
     with a.context(q.device):
         fn_pre(
             a.tensor(out, 16), a.tensor(dout, 16), a.tensor(lse, 4), a.tensor(dlse, 4), a.tensor(lse_log2, 4),
-            a.tensor(delta, 4), a.tensor(dq_accum if pre.dq_accum_cols else None, 16), cu_q, a.i32(num_batch),
-            a.i32(max_seqlen_q), *a.stream(),
+            a.tensor(delta, 4), a.tensor(dq_accum if pre.dq_accum_cols else None, 16),
+            a.tensor(args.cu_seqlens_q, 4), a.i32(num_batch), a.i32(max_seqlen_q), *a.stream(),
         )
         launch_main()
-        if launch_post is not None:
-            launch_post()
-        else:
-            fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), cu_q, a.i32(num_batch), a.i32(max_seqlen_q),
-                    a.f32(args.softmax_scale), *a.stream())
+        launch_post()
+
+
+def _row_post_launcher(backend, post, q, dq_accum, dq, args: AttnArgs, num_batch: int, max_seqlen_q: int):
+    """`launch_post` for the sm_80 postprocess (the row-major accumulator's)."""
+    fn_post, _ = kernel_cache().get(post, backend.arch(q.device))
+    a = kernel_cache().args
+
+    def launch_post():
+        fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), a.tensor(args.cu_seqlens_q, 4), a.i32(num_batch),
+                a.i32(max_seqlen_q), a.f32(args.softmax_scale), *a.stream())
+
+    return launch_post
 
 
 def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
@@ -226,7 +230,8 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
             a.f32(softcap_prescale), a.i32(args.window_left), a.i32(args.window_right), *a.stream(),
         )
 
-    _run(backend, pre, post, launch_main, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, dq, args,
+    launch_post = _row_post_launcher(backend, post, q, dq_accum, dq, args, num_batch, max_seqlen_q)
+    _run(backend, pre, launch_main, launch_post, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, args,
          num_batch, max_seqlen_q)
 
 
@@ -283,13 +288,13 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
             m.f32(softcap_prescale), m.i32(args.window_left), m.i32(args.window_right), *m.stream(),
         )
 
-    launch_post = None
     if main.dq_flat:
         fn_post, _ = sm90_kernel_cache().get(post, backend.arch(q.device))
 
         def launch_post():
             fn_post(m.tensor(dq_accum, 16), m.tensor(dq, 16), m.i32(max_seqlen_q), m.f32(args.softmax_scale),
                     *m.stream())
-
-    _run(backend, pre, post, launch_main, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, dq, args,
-         num_batch, max_seqlen_q, launch_post)
+    else:
+        launch_post = _row_post_launcher(backend, post, q, dq_accum, dq, args, num_batch, max_seqlen_q)
+    _run(backend, pre, launch_main, launch_post, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, args,
+         num_batch, max_seqlen_q)
