@@ -1,7 +1,9 @@
 """Score masking: key-length tails, causal (bottom-right aligned) and sliding windows.
 
 Masked scores are set (not added) to -inf before the row max, so garbage can never leak
-through a masked score, and the softmax guards rows whose max is -inf.
+through a masked score, and the softmax guards rows whose max is -inf. Where a thread's columns
+of a row are an MMA accumulator's (`mma_columns`), a row's limits become bit masks of its
+elements (`hide_by_bits`) instead of one comparison per element.
 """
 
 from __future__ import annotations

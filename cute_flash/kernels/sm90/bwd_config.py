@@ -2,9 +2,10 @@
 
 `Sm90BwdConfig` holds every choice that changes the generated code of `FlashBwdSm90`; sequence
 lengths, batch, heads, strides, the actual head dims inside a padded tile, the scale and the
-window sizes are run-time arguments. The preprocess and postprocess kernels are the sm_80 ones
-(`kernels/sm80/bwd_pre.py`, `bwd_post.py`): row-wise passes with nothing to gain from TMA or
-WGMMA.
+window sizes are run-time arguments. The preprocess is the sm_80 one (`kernels/sm80/bwd_pre.py`,
+a row-wise pass with nothing to gain from TMA or WGMMA, which also clears the dQ accumulator);
+the postprocess is the sm_80 row kernel for the row-major accumulator and `bwd_post.py`'s for
+the flat one (`dq_flat`, `Sm90BwdPostConfig`).
 
 Each of the two consumer warpgroups owns 64 of the CTA's `tile_n` = 128 keys and keeps their dK
 and dV in fp32 registers for the whole kernel: 64 * (d + dv) / 128 registers per thread, 128 at
