@@ -83,27 +83,22 @@ def test_sm90_profiling_build_compiles_without_spills_or_wgmma_serialization(hea
 def test_sm90_masks_go_through_bit_masks_and_predicates(tmp_path):
     """`mask_bits`: a causal row's limit becomes a bit mask of its elements, which ptxas moves into
     predicates (R2P) instead of comparing every column; the comparisons variant has no R2P and
-    more integer compares. Head dim 64 (192 x 128: 32 elements per row and thread) and the sm_80
-    kernel, whose mma.sync rows hold the same columns."""
+    more integer compares. Head dim 64 (192 x 128: 32 elements per row and thread)."""
     from cute_flash import audit
-    from cute_flash.kernels.sm80 import fwd_config as fc80
 
     if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
         pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
     bits = fc.make_config("bfloat16", 64, 64, causal=True)
     compares = replace(bits, mask_bits=False)
-    sm80 = fc80.make_config("bfloat16", 128, 128, causal=True)
     counts = {}
-    for config, arch, compile_config in ((bits, "sm_90a", fc.compile_fwd), (compares, "sm_90a", fc.compile_fwd),
-                                         (sm80, "sm_80", fc80.compile_fwd)):
-        target = audit.AuditTarget(config.name, arch, lambda options, c=config, f=compile_config: f(c, options))
+    for config in (bits, compares):
+        target = audit.AuditTarget(config.name, "sm_90a", lambda options, c=config: fc.compile_fwd(c, options))
         row = audit.audit_target(target, keep_dir=tmp_path)
         assert row.error is None and not row.spills, (row.error, row.spill_stores, row.spill_loads)
         counts[config.name] = audit.count_sass((tmp_path / config.name / "kernel.sass").read_text())
     assert bits.mask_bits and compares.name.endswith("_cmpmask")
     assert counts[bits.name]["R2P"] and not counts[compares.name]["R2P"]
     assert counts[compares.name]["ISETP"] - counts[bits.name]["ISETP"] >= 64
-    assert counts[sm80.name]["R2P"]
 
 
 def test_sm90_config_is_a_hashable_cache_key_with_distinct_names():

@@ -1,9 +1,9 @@
 """Score masking: key-length tails, causal (bottom-right aligned) and sliding windows.
 
 Masked scores are set (not added) to -inf before the row max, so garbage can never leak
-through a masked score, and the softmax guards rows whose max is -inf. Where a thread's columns
-of a row are an MMA accumulator's (`mma_columns`), a row's limits become bit masks of its
-elements (`hide_by_bits`) instead of one comparison per element.
+through a masked score, and the softmax guards rows whose max is -inf. With `by_bits`, where a
+thread's columns of a row are an MMA accumulator's (`mma_columns`), a row's limits become bit
+masks of its elements (`hide_by_bits`) instead of one comparison per element.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ class AttentionMask:
     window_left: Int32  # effective (>= 0), used only by local masks
     window_right: Int32
     # rows of MMA accumulator columns masked through bit masks (R2P) rather than a comparison per
-    # column (see `apply`); False for A/B
-    by_bits: cutlass.Constexpr[bool] = True
+    # column (see `apply`): the sm_90 forward's `mask_bits`. The sm_80 forward keeps the
+    # comparisons: with bit masks two of its tiles spill when built for sm_90a (head dim 64's
+    # 128 x 64 causal fp16, 28/44 bytes; head dim 256's 64 x 64 one-stage window, 32/32).
+    by_bits: cutlass.Constexpr[bool] = False
 
     @cute.jit
     def apply(

@@ -141,7 +141,8 @@ class Sm90FwdConfig:
     cluster_kv: bool = False
     # Causal, window and key-tail masks of a row through a bit mask of its elements, which ptxas
     # turns into predicates seven at a time (R2P; `AttentionMask.apply`), instead of one integer
-    # comparison per element (False: for A/B). At head dim 64 causal 2729 -> 2673 SASS
+    # comparison per element (False: for A/B; the sm_80 forward keeps the comparisons, see
+    # `AttentionMask.by_bits`). At head dim 64 causal 2729 -> 2673 SASS
     # instructions (ISETP 211 -> 92). On the H200 (bf16, causal, interleaved rounds, TFLOP/s):
     # hd64 8 x 2048 median 386.5 against 381.4 (5 rounds), hd96 2 x 8192 532-542 against 528-533
     # (3 rounds), hd128 level (8 x 2048 519.1 / 519.8, 2 x 8192 598.2 / 604.2, 5 rounds).
