@@ -35,3 +35,21 @@ def descriptors_moved_from_thread_registers(loop: list) -> int:
             for r in range(int(m[1]), int(m[1]) + (2 if ".64" in opcode else 1)):
                 writer[r] = opcode.split(".")[0]
     return moved
+
+
+def sass_opcode_counts(configs, compile_config, tmp_path) -> dict:
+    """{config name: SASS opcode counts} of `configs` built for sm_90a by `compile_config(config,
+    options)`, each checked to compile without spills; skips the test without the SASS tools."""
+    import pytest
+
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    counts = {}
+    for config in configs:
+        target = audit.AuditTarget(config.name, "sm_90a", lambda options, c=config: compile_config(c, options))
+        row = audit.audit_target(target, keep_dir=tmp_path)
+        assert row.error is None and not row.spills, (config.name, row.error, row.spill_stores, row.spill_loads)
+        counts[config.name] = audit.count_sass((tmp_path / config.name / "kernel.sass").read_text())
+    return counts

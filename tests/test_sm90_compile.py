@@ -84,18 +84,11 @@ def test_sm90_masks_go_through_bit_masks_and_predicates(tmp_path):
     """`mask_bits`: a causal row's limit becomes a bit mask of its elements, which ptxas moves into
     predicates (R2P) instead of comparing every column; the comparisons variant has no R2P and
     more integer compares. Head dim 64 (192 x 128: 32 elements per row and thread)."""
-    from cute_flash import audit
+    from sass_loops import sass_opcode_counts
 
-    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
-        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
     bits = fc.make_config("bfloat16", 64, 64, causal=True)
     compares = replace(bits, mask_bits=False)
-    counts = {}
-    for config in (bits, compares):
-        target = audit.AuditTarget(config.name, "sm_90a", lambda options, c=config: fc.compile_fwd(c, options))
-        row = audit.audit_target(target, keep_dir=tmp_path)
-        assert row.error is None and not row.spills, (row.error, row.spill_stores, row.spill_loads)
-        counts[config.name] = audit.count_sass((tmp_path / config.name / "kernel.sass").read_text())
+    counts = sass_opcode_counts((bits, compares), fc.compile_fwd, tmp_path)
     assert bits.mask_bits and compares.name.endswith("_cmpmask")
     assert counts[bits.name]["R2P"] and not counts[compares.name]["R2P"]
     assert counts[compares.name]["ISETP"] - counts[bits.name]["ISETP"] >= 64

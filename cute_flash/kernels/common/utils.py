@@ -17,11 +17,11 @@ LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
 
-def _pure_asm(ptx: str, result_type, operands, constraints: str, loc=None, ip=None):
-    """One side-effect-free inline PTX instruction on float32 `operands`."""
+def _pure_asm(ptx: str, result_type, operands, constraints: str, loc=None, ip=None, operand_type=Float32):
+    """One side-effect-free inline PTX instruction on `operands` (float32 unless `operand_type`)."""
     return llvm.inline_asm(
         result_type,
-        [Float32(x).ir_value(loc=loc, ip=ip) for x in operands],
+        [operand_type(x).ir_value(loc=loc, ip=ip) for x in operands],
         ptx,
         constraints,
         has_side_effects=False,
@@ -59,17 +59,7 @@ def bulk_reduce_add_f32(gmem_addr, smem_addr, nbytes: int, *, loc=None, ip=None)
 
 
 def _u32_asm(ptx: str, a, b, loc=None, ip=None) -> cutlass.Uint32:
-    return cutlass.Uint32(llvm.inline_asm(
-        T.i32(),
-        [cutlass.Uint32(a).ir_value(loc=loc, ip=ip), cutlass.Uint32(b).ir_value(loc=loc, ip=ip)],
-        ptx,
-        "=r,r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    ))
+    return cutlass.Uint32(_pure_asm(ptx, T.i32(), [a, b], "=r,r,r", loc, ip, operand_type=cutlass.Uint32))
 
 
 @dsl_user_op
