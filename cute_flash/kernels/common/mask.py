@@ -47,8 +47,8 @@ class AttentionMask:
 
         tScS_mn holds this thread's tile-relative (row, col) coordinates and t0ScS_mn thread 0's.
         The latter are compile-time constants, so each comparison below is against an immediate
-        once this thread's own offset has been moved into the (per-row) limit. Where a row's
-        columns are those of an MMA accumulator (`mma_columns`), a row's limit becomes a count of
+        once this thread's own offset has been moved into the (per-row) limit. With `by_bits`,
+        where a row's columns are those of an MMA accumulator (`mma_columns`), a row's limit becomes a count of
         its elements and a bit mask of them, which ptxas moves into predicates seven at a time
         (R2P) instead of comparing every column.
         """
