@@ -175,7 +175,7 @@ def _run(backend, pre, launch_main, launch_post, q, out, dout, lse, dlse, lse_lo
     with a.context(q.device):
         fn_pre(
             a.tensor(out, 16), a.tensor(dout, 16), a.tensor(lse, 4), a.tensor(dlse, 4), a.tensor(lse_log2, 4),
-            a.tensor(delta, 4), a.tensor(dq_accum if pre.dq_accum_cols else None, 16),
+            a.tensor(delta, 4), a.tensor(dq_accum, 16),
             a.tensor(args.cu_seqlens_q, 4), a.i32(num_batch), a.i32(max_seqlen_q), *a.stream(),
         )
         launch_main()

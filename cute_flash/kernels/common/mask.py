@@ -56,7 +56,7 @@ class AttentionMask:
         thr_row, thr_col = tScS_mn[0, 0]
         col_base = n_block * self.tile_n + thr_col
         ncols = cute.size(tScS_mn, mode=[1])
-        by_bits = self.by_bits and mma_columns([t0ScS_mn[0, c][1] for c in range(ncols)])
+        by_bits = self.by_bits and mma_columns(t0ScS_mn)
         if cutlass.const_expr(not mask_causal and not mask_local):
             if cutlass.const_expr(mask_seqlen):
                 col_end = self.seqlen_k - col_base
@@ -91,12 +91,14 @@ class AttentionMask:
                         acc_S_mn[r, c] = -Float32.inf if hidden else acc_S_mn[r, c]
 
 
-def mma_columns(cols: list) -> bool:
-    """Whether a thread's columns of an accumulator row, relative to its first, are those of the
-    MMA accumulators of both arches (mma.sync's n8 tiles, WGMMA's rows): pairs 8 apart, 0, 1, 8,
-    9, 16, 17, ..., as compile-time integers. Element j then is left of a column limit L >= 0
-    exactly when j < 2 * (L // 8) + min(L % 8, 2) (`elements_left_of`)."""
-    return all(isinstance(c, int) for c in cols) and list(cols) == [j // 2 * 8 + j % 2 for j in range(len(cols))]
+def mma_columns(t0ScS_mn: cute.Tensor) -> bool:
+    """Whether thread 0's columns of an accumulator row (`t0ScS_mn`'s mode 1, and so every
+    thread's relative to its first) are those of the MMA accumulators of both arches (mma.sync's
+    n8 tiles, WGMMA's rows): pairs 8 apart, 0, 1, 8, 9, 16, 17, ..., as compile-time integers.
+    Element j then is left of a column limit L >= 0 exactly when j < 2 * (L // 8) + min(L % 8, 2)
+    (`elements_left_of`)."""
+    cols = [t0ScS_mn[0, c][1] for c in range(cute.size(t0ScS_mn, mode=[1]))]
+    return all(isinstance(c, int) for c in cols) and cols == [j // 2 * 8 + j % 2 for j in range(len(cols))]
 
 
 @cute.jit
@@ -105,6 +107,32 @@ def elements_left_of(col_limit: Int32) -> Int32:
     its first column; any value)."""
     lim = cutlass.max(col_limit, 0)
     return (lim >> 3) * 2 + cutlass.min(lim & 7, 2)
+
+
+@cute.jit
+def keep_left_of(col_limit, first: cutlass.Constexpr[int] = 0) -> cutlass.Uint32:
+    """The bits, over a row's `mma_columns` elements first .. first + 31, of those left of
+    `col_limit` (relative to the thread's first column; any value)."""
+    return bits_below(elements_left_of(col_limit), first)
+
+
+@cute.jit
+def keep_from(col_limit, first: cutlass.Constexpr[int] = 0) -> cutlass.Uint32:
+    """The bits, over a row's `mma_columns` elements first .. first + 31, of those at or right of
+    `col_limit`."""
+    return bits_from(elements_left_of(col_limit), first)
+
+
+@cute.jit
+def bits_below(count, first: cutlass.Constexpr[int] = 0) -> cutlass.Uint32:
+    """The bits of elements first .. first + 31 that are among the first `count` (>= 0)."""
+    return low_bits(cutlass.max(cutlass.min(count - first, 32), 0))
+
+
+@cute.jit
+def bits_from(count, first: cutlass.Constexpr[int] = 0) -> cutlass.Uint32:
+    """The bits of elements first .. first + 31 that are not among the first `count` (>= 0)."""
+    return high_bits_from(cutlass.max(cutlass.min(count - first, 32), 0))
 
 
 @cute.jit
@@ -117,9 +145,9 @@ def hide_by_bits(acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], ncols: cutlas
     keep_begin = elements_left_of(col_begin) if cutlass.const_expr(col_begin is not None) else None
     for chunk in cutlass.range_constexpr((ncols + 31) // 32):
         first = chunk * 32
-        keep = low_bits(cutlass.max(cutlass.min(keep_end - first, 32), 0))
+        keep = bits_below(keep_end, first)
         if cutlass.const_expr(keep_begin is not None):
-            keep = keep & high_bits_from(cutlass.max(cutlass.min(keep_begin - first, 32), 0))
+            keep = keep & bits_from(keep_begin, first)
         for i in cutlass.range_constexpr(min(32, ncols - first)):
             visible = cutlass.Boolean(keep & cutlass.Uint32(1 << i))
             acc_S_mn[r, first + i] = acc_S_mn[r, first + i] if visible else -Float32.inf

@@ -133,7 +133,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from ..common.block_info import BlockInfo, effective_window
-from ..common.mask import elements_left_of, mma_columns
+from ..common.mask import keep_from, keep_left_of, mma_columns
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import (
     swizzle_params,
@@ -147,8 +147,6 @@ from ..common.utils import (
     acc_mn_view,
     elem_pointer,
     exp2f,
-    high_bits_from,
-    low_bits,
     make_s2g_copy,
     pass_turn,
     store_staged_rows,
@@ -1351,8 +1349,7 @@ class FlashBwdSm90(TimelineCounters):
         rP_mn = acc_mn_view(acc_as_mma_sync(rP))
         rows, cols = (cute.size(acc_S_mn, mode=[m]) for m in (0, 1))
         visible_bits = None
-        if cutlass.const_expr(limits is not None and cfg.mask_bits and cols <= 32
-                              and mma_columns([t0ScS_mn[0, c][1] for c in range(cols)])):
+        if cutlass.const_expr(limits is not None and cfg.mask_bits and cols <= 32 and mma_columns(t0ScS_mn)):
             visible_bits = self.visible_bits(t0ScS_mn, limits, rows, query_mode)
         for i in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[query_mode])):
             q = t0ScS_mn[(0, i) if cutlass.const_expr(query_mode == 1) else (i, 0)][query_mode]
@@ -1382,10 +1379,11 @@ class FlashBwdSm90(TimelineCounters):
     @cute.jit
     def visible_bits(self, t0ScS_mn, limits, rows: cutlass.Constexpr[int], query_mode: cutlass.Constexpr[int]) -> list:
         """`mask_bits`: per row of the accumulator, a word whose bit c says whether column c's
-        (key, query) pair is visible under `limits` (`hidden_limits`), so that ptxas moves a row's
-        verdicts into predicates (R2P) instead of comparing each pair. The columns are queries in
-        S^T (`query_mode` 1) and keys in the S of `keys_n`; a row's constraints on them become
-        element counts (`elements_left_of`), and a row wholly outside its sequence keeps nothing."""
+        (key, query) pair is visible under `limits` (`hidden_limits`), which ptxas tests bit by
+        bit into predicates instead of comparing each pair. The columns are queries in S^T
+        (`query_mode` 1) and keys in the S of `keys_n`; a row's constraints on them become bit
+        masks of its elements (`keep_left_of`, `keep_from`), and a row wholly outside its sequence
+        keeps nothing."""
         cfg = self.cfg
         masked = cfg.causal or cfg.local
         words = []
@@ -1394,19 +1392,19 @@ class FlashBwdSm90(TimelineCounters):
             if cutlass.const_expr(query_mode == 1):
                 # queries q: q < seqlen limit; k - q <= right limit: q >= k - limits[2];
                 # k - q >= left limit: q < k - limits[3] + 1
-                word = low_bits(cutlass.min(elements_left_of(limits[1]), 32))
+                word = keep_left_of(limits[1])
                 if cutlass.const_expr(masked):
-                    word = word & high_bits_from(cutlass.min(elements_left_of(x - limits[2]), 32))
+                    word = word & keep_from(x - limits[2])
                 if cutlass.const_expr(cfg.local):
-                    word = word & low_bits(cutlass.min(elements_left_of(x - limits[3] + 1), 32))
+                    word = word & keep_left_of(x - limits[3] + 1)
                 outside = x >= limits[0]
             else:
                 # keys k: k < seqlen limit; k <= q + right limit; k >= q + left limit
-                word = low_bits(cutlass.min(elements_left_of(limits[0]), 32))
+                word = keep_left_of(limits[0])
                 if cutlass.const_expr(masked):
-                    word = word & low_bits(cutlass.min(elements_left_of(x + limits[2] + 1), 32))
+                    word = word & keep_left_of(x + limits[2] + 1)
                 if cutlass.const_expr(cfg.local):
-                    word = word & high_bits_from(cutlass.min(elements_left_of(x + limits[3]), 32))
+                    word = word & keep_from(x + limits[3])
                 outside = x >= limits[1]
             words.append(cutlass.Uint32(0) if outside else word)
         return words
