@@ -5,8 +5,9 @@
     python benchmarks/ab_sm90_fwd.py --head-dims 128 --causal-only
     python benchmarks/ab_sm90_fwd.py --compile-only       # CPU: registers and spills only
 
-Cases: bf16, head dims 64 / 128 / 256, causal and not, batch x seqlen x heads = 2 x 8192 x 16
-(32 heads at head dim 64, the same FLOPs per head dim squared). Variants of each case:
+Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen x heads =
+2 x 8192 x 16 (32 heads at head dim 64, the same FLOPs per head dim squared; 8 at 192, as
+1536 / 192). Variants of each case:
 
 * first the shipped configuration (`make_config`), i.e. what `cute_flash.forward` runs, then the
   same with the other rescale; `lazy` (`lazy_rescale=True`, shipped at head dims 128 and 256): a
@@ -17,6 +18,10 @@ Cases: bf16, head dims 64 / 128 / 256, causal and not, batch x seqlen x heads = 
   with its row's limit, instead of the limit turned into a bit mask of the row's elements;
 * at head dim 256 only: `n80` (tile_n 80 instead of 64) and `late` (`rescale_o_before_pv=False`:
   O rescaled after P·V is waited for);
+* at head dim 192: `no pingpong` (the consumer warpgroups issuing their GEMMs freely, shipped
+  before 2026-12-01) and `n112` / `n128` (wider key blocks) where they fit the shared memory;
+* at head dim 96: `128x128` (two consumer warpgroups on 128 x 128, its tile before the three
+  warpgroups of 192 rows) and `n96` (96 keys per block);
 * the other schedules where the tile table allows persistence (head dims 64 and 128): `grid`
   (`persistent=False`: one CTA per tile) where the shipped configuration is persistent,
   `persist` (`persistent=True`: one CTA per SM walking the tiles) where it is not, and, with a
@@ -30,10 +35,14 @@ problems chosen to exercise the rescale: 2 x 333/1001 x 2 heads of random data; 
 a ramp that makes every row's max grow by ~5 (log2 units) per key block, so that some blocks keep
 the reference and others move it; and, when causal, 1001 queries over 333 keys, whose first 668
 rows see no key (out 0, LSE -inf). A wrong variant is reported and not timed. Then
-`triton.testing.do_bench` (median of 100 ms after 25 ms of warm-up) times the big case.
+`triton.testing.do_bench` (median of 100 ms after 25 ms of warm-up) times the big case, each
+variant and flash-attn-4 once per round for `--rounds` rounds (default 1), taking turns in an
+order reversed every other round.
 
-One line per case: TFLOP/s of each variant (forward FLOPs 4·b·h·s²·d, halved when causal) and
-lazy's gain over eager.
+One line per case: TFLOP/s of each variant (forward FLOPs 4·b·h·s²·d, halved when causal; the
+median over the rounds and, with more than one, their range) and lazy's gain over eager.
+
+    python benchmarks/ab_sm90_fwd.py --head-dims 192 --rounds 7 --batch 8 --seqlen 2048
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-HEADS = {64: 32, 128: 16, 256: 16}
+HEADS = {64: 32, 96: 16, 128: 16, 192: 8, 256: 16}
 
 
 def variants(head_dim: int, causal: bool) -> list:
@@ -67,7 +76,21 @@ def variants(head_dim: int, causal: bool) -> list:
         out += [("compares", replace(shipped, mask_bits=False))]
     if head_dim == 256:
         out += [("n80", replace(shipped, tile_n=80)), ("late", replace(shipped, rescale_o_before_pv=False))]
+    if head_dim == 192:  # without the ping-pong, and wider key blocks (fewer on the causal diagonal)
+        out += [("no pingpong" if shipped.pingpong else "pingpong", replace(shipped, pingpong=not shipped.pingpong))]
+        out += [(f"n{n}", replace(shipped, tile_n=n)) for n in (112, 128) if _fits(shipped, tile_n=n)]
+    if head_dim == 96:  # the 128-row tile of two warpgroups, and 96 keys per block
+        out += [("128x128", replace(shipped, tile_m=128, num_consumer_wgs=2, tile_n=128)),
+                ("n96", replace(shipped, tile_n=96))]
     return out
+
+
+def _fits(config, **change) -> bool:
+    try:
+        replace(config, **change)
+    except ValueError:
+        return False
+    return True
 
 
 def compile_only(cases) -> None:
@@ -136,8 +159,11 @@ def check(run, problems, attn_args, dtype) -> str | None:
 
 
 def on_gpu(cases, args) -> None:
+    import statistics
+
     import torch
-    from triton.testing import do_bench
+
+    from bench_lib import interleaved_rounds
 
     from cute_flash.backends import get_backend
     from cute_flash.backends.base import AttnArgs
@@ -149,9 +175,6 @@ def on_gpu(cases, args) -> None:
         from flash_attn.cute.interface import flash_attn_func
     except ImportError:
         flash_attn_func = None
-
-    def bench(fn) -> float:
-        return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
     print(f"sm_90 forward A/B, bf16, batch {args.batch} x seqlen {args.seqlen}; TFLOP/s (median of do_bench)")
     for d, causal in cases:
@@ -167,8 +190,9 @@ def on_gpu(cases, args) -> None:
         q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda", generator=g) for _ in range(3))
         o = torch.empty_like(q)
         lse = torch.empty(b, h, s, device="cuda")
-        cells, speed = [], {}
+        cells, runs = {}, {}
         for label, config in variants(d, causal):
+            cells[label] = label  # (in this order)
             try:
                 fn = backend.cache.get(config, backend.arch())[0]
 
@@ -177,20 +201,23 @@ def on_gpu(cases, args) -> None:
 
                 wrong = check(run, problems, attn_args, dtype)
                 if wrong:
-                    cells.append(f"{label} WRONG ({wrong})")
+                    cells[label] = f"{label} WRONG ({wrong})"
                     continue
-                ms = bench(lambda: run(q, k, v, o, lse, attn_args()))
-                speed[label] = flops / ms * 1e-9
-                cells.append(f"{label} {speed[label]:6.1f}")
+                runs[label] = lambda run=run: run(q, k, v, o, lse, attn_args())
             except Exception as exc:  # one broken variant must not hide the others
-                cells.append(f"{label} FAILED ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+                cells[label] = f"{label} FAILED ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
         if flash_attn_func is not None:
-            ms = bench(lambda: flash_attn_func(q, k, v, causal=causal))
-            speed["fa4"] = flops / ms * 1e-9
-            cells.append(f"fa4 {speed['fa4']:6.1f}")
+            runs["fa4"] = lambda: flash_attn_func(q, k, v, causal=causal)
+        speed = {}
+        for label, times in interleaved_rounds(runs, args.rounds).items():
+            rates = sorted(flops / ms * 1e-9 for ms in times)
+            speed[label] = statistics.median(rates)
+            spread = f" ({rates[0]:.1f}-{rates[-1]:.1f})" if len(rates) > 1 else ""
+            cells[label] = f"{label} {speed[label]:6.1f}{spread}"
+        line = list(cells.values())
         if "eager" in speed and "lazy" in speed:
-            cells.append(f"lazy/eager {100 * (speed['lazy'] / speed['eager'] - 1):+.1f}%")
-        print(f"hd{d:<3} {'causal' if causal else 'full  '} h{h:<2} | " + " | ".join(cells), flush=True)
+            line.append(f"lazy/eager {100 * (speed['lazy'] / speed['eager'] - 1):+.1f}%")
+        print(f"hd{d:<3} {'causal' if causal else 'full  '} h{h:<2} | " + " | ".join(line), flush=True)
 
 
 def main(argv=None) -> int:
@@ -198,6 +225,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ab_case_arguments(p, tuple(HEADS), 8192, "registers and spills only (no GPU needed)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every variant (and flash-attn-4) this many times, taking turns, and report the medians")
     args = p.parse_args(argv)
     cases = ab_cases(p, args, tuple(HEADS))
     if args.compile_only:

@@ -436,11 +436,11 @@ def replace_tile(config, like):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_ab_sm90_fwd_times_distinct_schedules(head_dim, causal):
     """benchmarks/ab_sm90_fwd.py times the shipped forward and variants that differ from it: the
-    other grid where the table is persistent, and the fixed stride where causal tiles come from
-    the counter."""
+    other grid where the table is persistent, the fixed stride where causal tiles come from
+    the counter, and at head dim 192 the other GEMM-issue order (ping-pong or not)."""
     import ab_sm90_fwd
 
     variants = ab_sm90_fwd.variants(head_dim, causal)
@@ -451,6 +451,8 @@ def test_ab_sm90_fwd_times_distinct_schedules(head_dim, causal):
     assert len(set(configs)) == len(configs)
     assert ("grid" in labels) == configs[0].persistent
     assert ("stride" in labels) == configs[0].tile_counter
+    if head_dim == 192:
+        assert configs[0].pingpong and "no pingpong" in labels
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -512,7 +512,8 @@ def with_cluster_q(config: Sm90BwdConfig, num_n_blocks: int) -> Sm90BwdConfig:
     On an H200 (`benchmarks/ab_clusters.py --rounds 5`: bf16, 2 x 8192, 2048 / head dim heads, the
     backward's three kernels, medians): head dim 64 503.8 against 489.0 TFLOP/s, 96 456.1 against
     451.0; at 128 level (579.2 against 577.2: the SMs ran 2% faster, 1683 against 1654 MHz, but a
-    cluster's CTAs wait for each other's release of a stage), so head dim 128 keeps single CTAs."""
+    cluster's CTAs wait for each other's release of a stage), so head dim 128 keeps single CTAs
+    (re-measured with the flat dQ accumulator, 2 x 8192 in six runs: -0.3% to +1.4%)."""
     if (num_n_blocks % 2 or not config.pairs_key_blocks or max(config.head_dim, config.head_dim_v) > 96
             or config.deterministic):
         return config
