@@ -194,6 +194,18 @@ def _row_post_launcher(backend, post, q, dq_accum, dq, args: AttnArgs, num_batch
     return launch_post
 
 
+def _flat_post_launcher(backend, post, q, dq_accum, dq, args: AttnArgs, max_seqlen_q: int):
+    """`launch_post` for the sm_90 postprocess of a flat accumulator (`dq_flat`)."""
+    fn_post, _ = sm90_kernel_cache().get(post, backend.arch(q.device))
+    a = sm90_kernel_cache().args
+
+    def launch_post():
+        fn_post(a.tensor(dq_accum, 16), a.tensor(dq, 16), a.i32(max_seqlen_q), a.f32(args.softmax_scale),
+                *a.stream())
+
+    return launch_post
+
+
 def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs, deterministic: bool) -> None:
     """Write dq, dk, dv in place (see the module docstring)."""
     from ..kernels.common.softmax import softmax_constants
@@ -289,11 +301,7 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
         )
 
     if main.dq_flat:
-        fn_post, _ = sm90_kernel_cache().get(post, backend.arch(q.device))
-
-        def launch_post():
-            fn_post(m.tensor(dq_accum, 16), m.tensor(dq, 16), m.i32(max_seqlen_q), m.f32(args.softmax_scale),
-                    *m.stream())
+        launch_post = _flat_post_launcher(backend, post, q, dq_accum, dq, args, max_seqlen_q)
     else:
         launch_post = _row_post_launcher(backend, post, q, dq_accum, dq, args, num_batch, max_seqlen_q)
     _run(backend, pre, launch_main, launch_post, q, out, dout, lse, dlse, lse_log2, delta, dq_accum, args,

@@ -36,6 +36,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from .common.fake_tensors import element_type
 from .common.utils import LN_2, LOG2_E, exp2f, log2f
 
 VEC = 4  # float32 columns per lane and access: 128 bits
@@ -60,7 +61,7 @@ class FlashCombine:
 
     def __init__(self, config):
         self.cfg = config
-        self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+        self.dtype = element_type(config.dtype)
         self.num_threads = config.rows_per_cta * 32
 
     @cute.jit

@@ -61,8 +61,9 @@ class AttentionMask:
             if cutlass.const_expr(mask_seqlen):
                 col_end = self.seqlen_k - col_base
                 if cutlass.const_expr(by_bits):
+                    keep_end = elements_left_of(col_end)  # the same for every row
                     for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
-                        hide_by_bits(acc_S_mn, r, ncols, col_end, None)
+                        hide_by_bits(acc_S_mn, r, ncols, keep_end, None)
                 else:
                     for c in cutlass.range_constexpr(ncols):
                         if t0ScS_mn[0, c][1] >= col_end:
@@ -81,7 +82,9 @@ class AttentionMask:
                     col_end = cutlass.min(col_end, self.seqlen_k - col_base)
                 col_begin = row + offset - self.window_left
                 if cutlass.const_expr(by_bits):
-                    hide_by_bits(acc_S_mn, r, ncols, col_end, col_begin if cutlass.const_expr(mask_local) else None)
+                    keep_end = elements_left_of(col_end)
+                    keep_begin = elements_left_of(col_begin) if cutlass.const_expr(mask_local) else None
+                    hide_by_bits(acc_S_mn, r, ncols, keep_end, keep_begin)
                 else:
                     for c in cutlass.range_constexpr(ncols):
                         col = t0ScS_mn[0, c][1]
@@ -136,13 +139,11 @@ def bits_from(count, first: cutlass.Constexpr[int] = 0) -> cutlass.Uint32:
 
 
 @cute.jit
-def hide_by_bits(acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], ncols: cutlass.Constexpr[int], col_end: Int32,
-                 col_begin):
-    """-inf into row r's elements at or right of `col_end`, and left of `col_begin` unless None
-    (limits relative to the thread's first column, any value), through a keep-mask of 32 elements
-    at a time whose bits ptxas turns into predicates (R2P)."""
-    keep_end = elements_left_of(col_end)
-    keep_begin = elements_left_of(col_begin) if cutlass.const_expr(col_begin is not None) else None
+def hide_by_bits(acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], ncols: cutlass.Constexpr[int], keep_end: Int32,
+                 keep_begin):
+    """-inf into row r's elements from the `keep_end`-th on, and before the `keep_begin`-th unless
+    None (element counts: `elements_left_of` the row's column limits), through a keep-mask of 32
+    elements at a time whose bits ptxas turns into predicates (R2P)."""
     for chunk in cutlass.range_constexpr((ncols + 31) // 32):
         first = chunk * 32
         keep = bits_below(keep_end, first)

@@ -40,6 +40,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
 from ..common.block_info import BlockInfo, effective_window
+from ..common.fake_tensors import element_type
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import smem_layout_tile, smem_layout_transposed, swizzle_params
 from ..common.utils import (
@@ -63,7 +64,7 @@ class FlashBwdSm80:
 
     def __init__(self, config: Sm80BwdConfig):
         self.cfg = config
-        self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+        self.dtype = element_type(config.dtype)
         self.num_threads = config.num_warps * 32
 
     # ------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from ..common.fake_tensors import element_type
 from ..common.seqlen_info import SeqlenInfo
 from ..common.utils import LOG2_E, make_s2g_copy
 from .bwd_config import PRE_THREADS_PER_ROW, Sm80BwdPreConfig
@@ -35,7 +36,7 @@ from .bwd_config import PRE_THREADS_PER_ROW, Sm80BwdPreConfig
 class FlashBwdPreSm80:
     def __init__(self, config: Sm80BwdPreConfig):
         self.cfg = config
-        self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+        self.dtype = element_type(config.dtype)
 
     @cute.jit
     def __call__(

@@ -40,6 +40,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
 from ..common.block_info import BlockInfo, effective_window
+from ..common.fake_tensors import element_type
 from ..common.mask import AttentionMask
 from ..common.paged import PagedKV
 from ..common.seqlen_info import SeqlenInfo
@@ -65,7 +66,7 @@ class FlashFwdSm80:
 
     def __init__(self, config: Sm80FwdConfig):
         self.cfg = config
-        self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+        self.dtype = element_type(config.dtype)
         self.num_threads = config.num_warps * 32
         # K and V copies partition a key tile the same way (one thread layout, same rows per
         # thread) when their rows have the same swizzle atom width: a paged cache with pages

@@ -133,6 +133,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from ..common.block_info import BlockInfo, effective_window
+from ..common.fake_tensors import element_type
 from ..common.mask import keep_from, keep_left_of, mma_columns
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import (
@@ -234,7 +235,7 @@ class FlashBwdSm90(TimelineCounters):
 
     def __init__(self, config: Sm90BwdConfig):
         self.cfg = config
-        self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+        self.dtype = element_type(config.dtype)
         self.num_consumer_threads = 128 * NUM_CONSUMER_WGS
         self.cluster_size = 2 if config.cluster_q else 1
         # the EMPTY barriers of the dQ tiles follow their FULL ones

@@ -580,7 +580,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     # the flat dQ store where the writer warp issues the reduce-adds of a fixed-length call, unless
     # the row-major tile's swap is asked for
     flat = fields.setdefault("dq_flat", fields["dq_writer"] and not fields.get("varlen_q", False)
-                                   and not fields.get("dq_swap", False))
+                             and not fields.get("dq_swap", False))
     if not swap_asked:
         # not where it measured slower, on rotated walks and on the 96-key tile without a mask
         # (`dq_swap`); its pairs of 16-column halves need 32-column dQ tiles: not head dim 96's 48

@@ -76,6 +76,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from ..common.block_info import BlockInfo, effective_window
+from ..common.fake_tensors import element_type
 from ..common.mask import AttentionMask
 from ..common.seqlen_info import SeqlenInfo
 from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
@@ -135,7 +136,7 @@ class FlashFwdSm90(TimelineCounters):
 
     def __init__(self, config: Sm90FwdConfig):
         self.cfg = config
-        self.dtype = cutlass.Float16 if config.dtype == "float16" else cutlass.BFloat16
+        self.dtype = element_type(config.dtype)
         self.num_consumer_threads = 128 * config.num_consumer_wgs
         self.cluster_size = 2 if config.cluster_kv else 1
 
