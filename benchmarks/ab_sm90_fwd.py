@@ -16,10 +16,17 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   head dim 64): every block moves the reference and rescales O;
 * with a causal mask, `compares` (`mask_bits=False`): each masked element's column compared
   with its row's limit, instead of the limit turned into a bit mask of the row's elements;
+* at head dims 192 and 256: the other GEMM-issue schedule, `no pingpong` at 192 (the consumer
+  warpgroups issuing their GEMMs freely, shipped before 2026-12-01) and `pingpong` at 256, and,
+  when causal, the same with the other mask as well (`pingpong, compares`);
 * at head dim 256 only: `n80` (tile_n 80 instead of 64) and `late` (`rescale_o_before_pv=False`:
   O rescaled after P·V is waited for);
-* at head dim 192: `no pingpong` (the consumer warpgroups issuing their GEMMs freely, shipped
-  before 2026-12-01) and `n112` / `n128` (wider key blocks) where they fit the shared memory;
+* at head dim 192: `n112` / `n128` (wider key blocks) where they fit the shared memory;
+* at head dims 128 and 192 with a causal mask: `cluster grid`, K/V clusters of two CTAs on one
+  CTA per tile (each CTA walks the key blocks of the cluster's later query block, letting those
+  past its own go unread);
+* at head dims 128 and 192 without a mask: `cluster`, the K/V clusters, which `cute_flash.forward`
+  takes where a call has an even number of query blocks;
 * at head dim 96: `128x128` (two consumer warpgroups on 128 x 128, its tile before the three
   warpgroups of 192 rows) and `n96` (96 keys per block);
 * the other schedules where the tile table allows persistence (head dims 64 and 128): `grid`
@@ -31,7 +38,8 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
 
 As in `tune_tiles.py`, a variant is first checked against the float32 reference (out by the
 benchmark's tolerance rule, LSE to 1e-3 where finite and -inf where the row sees no key) on small
-problems chosen to exercise the rescale: 2 x 333/1001 x 2 heads of random data; the same with
+problems chosen to exercise the rescale: 2 x 461/1001 x 2 heads of random data (461 queries: an
+even number of 128-row query blocks, as the K/V clusters pair them, with a tail); the same with
 a ramp that makes every row's max grow by ~5 (log2 units) per key block, so that some blocks keep
 the reference and others move it; and, when causal, 1001 queries over 333 keys, whose first 668
 rows see no key (out 0, LSE -inf). A wrong variant is reported and not timed. Then
@@ -43,6 +51,7 @@ One line per case: TFLOP/s of each variant (forward FLOPs 4·b·h·s²·d, halve
 median over the rounds and, with more than one, their range) and lazy's gain over eager.
 
     python benchmarks/ab_sm90_fwd.py --head-dims 192 --rounds 7 --batch 8 --seqlen 2048
+    python benchmarks/ab_sm90_fwd.py --head-dims 256 --rounds 7 --variants "pingpong,compares"
 """
 
 from __future__ import annotations
@@ -59,8 +68,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 HEADS = {64: 32, 96: 16, 128: 16, 192: 8, 256: 16}
 
 
-def variants(head_dim: int, causal: bool) -> list:
-    """(label, config) of the cute variants of one case."""
+def variants(head_dim: int, causal: bool, only=None) -> list:
+    """(label, config) of the cute variants of one case, the shipped one first; `only`: the labels
+    to keep besides the shipped one (all where None)."""
     from cute_flash.kernels.sm90.fwd_config import TILES, make_config
 
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
@@ -74,15 +84,24 @@ def variants(head_dim: int, causal: bool) -> list:
         out += [("stride", replace(shipped, tile_counter=False))]
     if causal:  # the mask by a comparison per element instead of bit masks
         out += [("compares", replace(shipped, mask_bits=False))]
+    if head_dim in (192, 256):  # the other GEMM-issue schedule (ping-pong on or off)
+        out += [("no pingpong" if shipped.pingpong else "pingpong", replace(shipped, pingpong=not shipped.pingpong))]
+        if causal:  # ... with the other mask
+            out += [("no pingpong, compares" if shipped.pingpong else "pingpong, compares",
+                     replace(shipped, pingpong=not shipped.pingpong, mask_bits=not shipped.mask_bits))]
     if head_dim == 256:
         out += [("n80", replace(shipped, tile_n=80)), ("late", replace(shipped, rescale_o_before_pv=False))]
-    if head_dim == 192:  # without the ping-pong, and wider key blocks (fewer on the causal diagonal)
-        out += [("no pingpong" if shipped.pingpong else "pingpong", replace(shipped, pingpong=not shipped.pingpong))]
+    if head_dim == 192:  # wider key blocks (fewer on the causal diagonal)
         out += [(f"n{n}", replace(shipped, tile_n=n)) for n in (112, 128) if _fits(shipped, tile_n=n)]
+    if head_dim in (128, 192) and causal:  # causal K/V clusters on the one-CTA-per-tile grid
+        out += [("cluster grid", replace(shipped, persistent=False, tile_counter=False, cluster_kv=True))]
+    if head_dim in (128, 192) and shipped.pairs_query_blocks:
+        # the K/V clusters that calls with an even number of query blocks take
+        out += [("cluster", replace(shipped, cluster_kv=True))]
     if head_dim == 96:  # the 128-row tile of two warpgroups, and 96 keys per block
         out += [("128x128", replace(shipped, tile_m=128, num_consumer_wgs=2, tile_n=128)),
                 ("n96", replace(shipped, tile_n=96))]
-    return out
+    return out if only is None else out[:1] + [(label, c) for label, c in out[1:] if label in only]
 
 
 def _fits(config, **change) -> bool:
@@ -93,13 +112,13 @@ def _fits(config, **change) -> bool:
     return True
 
 
-def compile_only(cases) -> None:
+def compile_only(cases, only=None) -> None:
     from cute_flash.audit import AuditTarget, audit_target
     from cute_flash.kernels.sm90.fwd_config import compile_fwd
 
     for d, causal in cases:
         cells = []
-        for label, config in variants(d, causal):
+        for label, config in variants(d, causal, only):
             row = audit_target(AuditTarget(config.name, "sm_90a", lambda opts, c=config: compile_fwd(c, opts)))
             state = row.error or ("SPILLS" if row.spills else "ok")
             cells.append(f"{label} {row.registers} regs spill {row.spill_stores or 0}/{row.spill_loads or 0} {state}")
@@ -116,15 +135,15 @@ def check_problems(d: int, causal: bool, dtype):
         return torch.randn(*shape, dtype=torch.float32, device="cuda", generator=g)
 
     out = []
-    q, k, v = randn(2, 333, 2, d), randn(2, 1001, 2, d), randn(2, 1001, 2, d)
-    out.append(("random 333/1001", q, k, v))
+    q, k, v = randn(2, 461, 2, d), randn(2, 1001, 2, d), randn(2, 1001, 2, d)
+    out.append(("random 461/1001", q, k, v))
     # Scores (in log2 units: q0 * k0 * scale * log2(e), q0 = 8) grow by 5 per 128-key block towards
     # key 0, as the kernels visit key blocks from the last one down.
     ramp = torch.linspace(5.0 * 1001 / 128, 0.0, 1001, device="cuda") / (8 * d ** -0.5 * math.log2(math.e))
     q2, k2 = q.clone(), k.clone()
     q2[..., 0] = 8.0
     k2[..., 0] = ramp[None, :, None]
-    out.append(("growing max 333/1001", q2, k2, v))
+    out.append(("growing max 461/1001", q2, k2, v))
     if causal:
         out.append(("empty rows 1001/333", randn(2, 1001, 2, d), randn(2, 333, 2, d), randn(2, 333, 2, d)))
     return [(name, *(t.to(dtype) for t in (q, k, v))) for name, q, k, v in out]
@@ -191,7 +210,7 @@ def on_gpu(cases, args) -> None:
         o = torch.empty_like(q)
         lse = torch.empty(b, h, s, device="cuda")
         cells, runs = {}, {}
-        for label, config in variants(d, causal):
+        for label, config in variants(d, causal, args.variants):
             cells[label] = label  # (in this order)
             try:
                 fn = backend.cache.get(config, backend.arch())[0]
@@ -227,10 +246,12 @@ def main(argv=None) -> int:
     add_ab_case_arguments(p, tuple(HEADS), 8192, "registers and spills only (no GPU needed)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every variant (and flash-attn-4) this many times, taking turns, and report the medians")
+    p.add_argument("--variants", type=lambda x: [v.strip() for v in x.split(",")], default=None,
+                   help="comma list of variant labels to run besides the shipped one (default: all)")
     args = p.parse_args(argv)
     cases = ab_cases(p, args, tuple(HEADS))
     if args.compile_only:
-        compile_only(cases)
+        compile_only(cases, args.variants)
     else:
         on_gpu(cases, args)
     return 0

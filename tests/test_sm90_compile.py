@@ -211,8 +211,8 @@ def test_sm90_every_shipped_config_compiles_without_spills_with_hgmma_tma_and_se
 
 
 def test_sm90_warmup_of_a_call_compiles_its_k_v_cluster_variant_too(tmp_path, monkeypatch):
-    """A dict entry compiles what a call with those flags may run: unmasked, also the
-    `cluster_kv` kernel of calls with an even number of query blocks; causal, one kernel."""
+    """A dict entry compiles what a call with those flags may run: also the `cluster_kv` kernel
+    of calls with an even number of query blocks (causal: enough of them, on one CTA per tile)."""
     import warnings
 
     from cute_flash import backends
@@ -226,5 +226,8 @@ def test_sm90_warmup_of_a_call_compiles_its_k_v_cluster_variant_too(tmp_path, mo
         report = cute.warmup([plain, {**plain, "causal": True}], backend="cute-sm90", arch="sm_90a")
     configs = [r[0] for r in report]
     single = fc.make_config(**plain)
-    assert configs == [single, fc.with_cluster_kv(single, 2), fc.make_config(**plain, causal=True)]
-    assert configs[1].cluster_kv and [r[1] for r in report] == ["compiled"] * 3
+    causal = fc.make_config(**plain, causal=True)
+    causal_cluster = fc.with_cluster_kv(causal, fc.CAUSAL_CLUSTER_MIN_BLOCKS)
+    assert configs == [single, fc.with_cluster_kv(single, 2), causal, causal_cluster]
+    assert configs[1].cluster_kv and causal_cluster.cluster_kv and not causal_cluster.persistent
+    assert [r[1] for r in report] == ["compiled"] * 4

@@ -207,6 +207,15 @@ def test_kv_clusters_pair_query_blocks_that_see_the_same_keys():
     assert not backend.config(even, even, even, None, causal).cluster_kv
     local = AttnArgs(0.1, window_left=64, window_right=0)
     assert not backend.config(even, even, even, None, local).cluster_kv
+    # causal calls from 64 query blocks on, at head dims 128 and 192, on one CTA per tile
+    long = _q(2, 64 * 128, 16)
+    config = backend.config(long, long, long, None, causal)
+    assert config.cluster_kv and not config.persistent and not config.tile_counter
+    assert not backend.config(_q(2, 62 * 128, 16), long, long, None, causal).cluster_kv
+    assert backend.config(*[_q(2, 64 * 128, 8, 192)] * 3, None, causal).cluster_kv
+    assert not backend.config(*[_q(2, 64 * 192, 32, 64)] * 3, None, causal).cluster_kv
+    assert not backend.config(*[_q(2, 64 * 128, 8, 256)] * 3, None, causal).cluster_kv
+    assert not backend.config(long, long, long, None, local).cluster_kv
     # hd64's 192-row tiles: 1152 rows are 6 query blocks, 1200 are 7
     hd64 = [_q(2, s, 32, 64) for s in (1152, 1200)]
     assert backend.config(*[hd64[0]] * 3, None, args).cluster_kv

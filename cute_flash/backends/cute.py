@@ -607,7 +607,7 @@ class CuteSm90Backend(_CuteBackend):
 
     def config(self, q, k, v, lse, args: AttnArgs, **flags):
         """As the base class's, with `cluster_kv` where the call's shape allows it (`with_cluster_kv`:
-        no mask, no varlen, an even number of query blocks)."""
+        no window, no varlen, an even number of query blocks, with a causal mask enough of them)."""
         from ..kernels.sm90.fwd_config import with_cluster_kv
 
         config = super().config(q, k, v, lse, args, **flags)
@@ -615,11 +615,11 @@ class CuteSm90Backend(_CuteBackend):
         return with_cluster_kv(config, -(-max_seqlen_q // config.tile_m))
 
     def shape_variants(self, config) -> list:
-        """`config` and, where a call with an even number of query blocks takes it, its K/V-cluster
+        """`config` and, where a call with enough query blocks in pairs takes it, its K/V-cluster
         variant (`with_cluster_kv`)."""
-        from ..kernels.sm90.fwd_config import with_cluster_kv
+        from ..kernels.sm90.fwd_config import CAUSAL_CLUSTER_MIN_BLOCKS, with_cluster_kv
 
-        return list(dict.fromkeys([config, with_cluster_kv(config, 2)]))
+        return list(dict.fromkeys([config, with_cluster_kv(config, CAUSAL_CLUSTER_MIN_BLOCKS)]))
 
     def launch_extra(self, config, q, k, args: AttnArgs, a: KernelArgs) -> tuple:
         """The persistent grid's size (ignored by the one-CTA-per-tile kernels, which take it all
@@ -718,7 +718,8 @@ def warmup(configs: Iterable, backend: Optional[str] = None, arch: Optional[str]
     `configs` holds config dataclasses of the backend's kernels, or dicts of `make_config`
     arguments, e.g. `{"dtype": "bfloat16", "head_dim": 128, "head_dim_v": 128, "causal": True}`.
     On cute-sm90 a dict also compiles the configuration's K/V-cluster variant where the call's
-    shape may pick it (`with_cluster_kv`: unmasked calls with an even number of query blocks).
+    shape may pick it (`with_cluster_kv`: calls with an even number of query blocks and no window,
+    causal ones with enough of them).
     `backend` is "cute-sm80" or "cute-sm90" (default: the current GPU's cute backend); `arch`
     defaults to the current GPU's. Returns one (config, source, seconds) per configuration,
     source being "memory", "disk" or "compiled".

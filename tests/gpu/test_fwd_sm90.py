@@ -300,6 +300,47 @@ def test_sm90_fwd_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, seqlen
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1001), (461, 1001), (1001, 333), (256, 4097), (2048, 2048)])
+@pytest.mark.parametrize("d", [128, 192])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sm90_fwd_causal_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, seqlen_q, seqlen_k):
+    """Causal K/V clusters (one CTA per tile): both CTAs walk the key blocks of the later query
+    block, the earlier one letting those past its own go unread; the oracle passes and O and the
+    LSE are bitwise those of single CTAs. 1001 x 333 has tiles that see no key next to tiles
+    that do (the CTA with none still waits for the cluster's loads)."""
+    backend = _backend()
+    torch.manual_seed(d + seqlen_q + seqlen_k)
+    q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, d, dtype)
+    args = _args(d, True)
+    lse = torch.empty(3, 24, seqlen_q, dtype=torch.float32, device="cuda")
+    grid = replace(backend.config(q, k, v, lse, args), persistent=False, tile_counter=False)
+    results = []
+    for config in (replace(grid, cluster_kv=True), grid):
+        fn, _ = backend.cache.get(config, backend.arch())
+        a = backend.cache.args
+        out, lse = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
+        backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
+        torch.cuda.synchronize()
+        check_forward(out, lse, q, k, v, args)
+        results.append((out, lse))
+    (out2, lse2), (out1, lse1) = results
+    assert torch.equal(out2, out1) and torch.equal(lse2, lse1)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(8192, 8192), (8400, 8333)])
+@pytest.mark.parametrize("d", [128, 192])
+def test_sm90_fwd_long_causal_calls_take_kv_clusters_and_match_oracle(d, seqlen_q, seqlen_k):
+    """What a causal call of 64 query blocks or more runs (`with_cluster_kv`: K/V clusters on one
+    CTA per tile) passes the oracle, a query tail and rows that see no key (8400 x 8333) too."""
+    backend = _backend()
+    torch.manual_seed(d + seqlen_q)
+    q, k, v = _qkv(1, seqlen_q, seqlen_k, 2, 1, d, d, torch.bfloat16)
+    args = _args(d, True)
+    config = backend.config(q, k, v, None, args)
+    assert config.cluster_kv and not config.persistent, config.name
+    _check(q, k, v, args)
+
+
 def test_sm90_fwd_kv_cluster_grid_is_as_many_pairs_as_the_gpu_runs_at_once():
     """The persistent cluster grid asks the driver how many clusters of two CTAs of the kernel's
     shape fit at once (`max_active_clusters`), at most one CTA per SM, and launches no more."""

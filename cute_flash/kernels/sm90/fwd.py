@@ -50,7 +50,7 @@ tile index to the consumers through shared memory between two named barriers. Th
 add sets the counter back to 0 (`reset_counter_after_last_add`), so one counter per stream
 serves every call (`CuteSm90Backend.tile_counter`).
 
-K/V clusters (`cluster_kv`: unmasked calls without varlen or seqused_k, with an even number of
+K/V clusters (`cluster_kv`: calls without a window, varlen or seqused_k, with an even number of
 query blocks, on tiles of 96 keys or more): the grid is launched in clusters of two CTAs on
 neighbouring query blocks of one (batch, head) -- persistent CTAs walk pairs of query blocks,
 the cluster's rank picking the block -- and each CTA's producer loads its half of every K and V
@@ -60,7 +60,11 @@ a warp arrive on CTA 0's and CTA 1's), so a producer overwrites a slot only once
 done with it. Before a producer leaves, it waits for every slot to be released (`kv_tail`), so
 that no arrive of the other CTA reaches a CTA that has exited. Both CTAs walk the same key
 blocks; the arithmetic is unchanged (O is bitwise that of single CTAs), and L2 serves half the
-K/V bytes, which at the H200's power cap shows as a higher SM clock.
+K/V bytes, which at the H200's power cap shows as a higher SM clock. Causal calls with enough
+query blocks take the clusters too, on one CTA per tile (`with_cluster_kv`): the later query
+block of a pair sees a key block or two more than the earlier one, so both CTAs walk the later
+one's blocks (`cluster_walk_end`) and the earlier one waits for those past its own and releases
+them unread.
 """
 
 from __future__ import annotations
@@ -337,10 +341,14 @@ class FlashFwdSm90(TimelineCounters):
                 # across the heads of an L2 section (`tile_coords`; one head per section: the
                 # query blocks of each head from the last down).
                 num_heads_q, _ = self.head_counts(mQ, mK)
-                linear = block_x + num_m_blocks * (head + num_heads_q * batch)
-                m_block, head, batch = tile_coords(
-                    linear, num_m_blocks, num_heads_q, num_batch, heads_per_section, True, cutlass.min
+                # with `cluster_kv` the groups of neighbouring query blocks go in that order, the
+                # cluster's rank picking the block
+                n = self.cluster_size
+                linear = block_x // n + (num_m_blocks // n) * (head + num_heads_q * batch)
+                m_group, head, batch = tile_coords(
+                    linear, num_m_blocks // n, num_heads_q, num_batch, heads_per_section, True, cutlass.min
                 )
+                m_block = n * m_group + block_x % n
             seqlen, window_left_eff, window_right_eff, block_info = self.sequence(
                 batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right
             )
@@ -354,12 +362,13 @@ class FlashFwdSm90(TimelineCounters):
                     cute.arch.setmaxregister_decrease(cfg.registers[1])
                     # The key-block range is computed on each side of the register split: a range
                     # computed before it stays live into the producer's 24 registers (which spilled).
-                    n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
-                    if warp_idx == 0 and n_block_max > n_block_min:
+                    n_block_min, _ = block_info.n_block_range(seqlen, m_block)
+                    n_walk_max = self.cluster_walk_end(block_info, seqlen, m_block)
+                    if warp_idx == 0 and n_walk_max > n_block_min:
                         self.load(
                             tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
                             pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_k, batch,
-                            n_block_min, n_block_max,
+                            n_block_min, n_walk_max,
                         )
                 else:
                     cute.arch.setmaxregister_increase(cfg.registers[0])
@@ -372,7 +381,18 @@ class FlashFwdSm90(TimelineCounters):
                         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
                         seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
                         softmax_scale_log2, softcap_prescale,
+                        n_walk_max=self.cluster_walk_end(block_info, seqlen, m_block),
                     )
+
+    def cluster_walk_end(self, block_info: BlockInfo, seqlen: SeqlenInfo, m_block):
+        """One past the last key block the producer of `m_block`'s CTA loads: its own n_block_max,
+        or, with causal K/V clusters, that of the cluster's last query block, which sees the most
+        keys (the CTAs of a cluster load every K/V tile together, so they walk the same blocks)."""
+        _, n_block_max = block_info.n_block_range(seqlen, m_block)
+        if cutlass.const_expr(self.cfg.cluster_kv and self.cfg.causal):
+            last = m_block - m_block % self.cluster_size + self.cluster_size - 1
+            _, n_block_max = block_info.n_block_range(seqlen, last)
+        return n_block_max
 
     def head_counts(self, mQ: cute.Tensor, mK: cute.Tensor) -> tuple:
         """(query heads, KV heads) of the call (trace time)."""
@@ -619,10 +639,12 @@ class FlashFwdSm90(TimelineCounters):
         self, ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         seqlen: SeqlenInfo, block_info: BlockInfo, mask: AttentionMask, m_block, head, batch,
-        n_block_min, n_block_max, softmax_scale_log2, softcap_prescale, states=None,
+        n_block_min, n_block_max, softmax_scale_log2, softcap_prescale, states=None, n_walk_max=None,
     ):
         """One tile of O. `states`: as in `load` (a persistent CTA's consumer ring states,
-        returned advanced past this tile; its caller holds the ping-pong's first turn)."""
+        returned advanced past this tile; its caller holds the ping-pong's first turn).
+        `n_walk_max`: with causal K/V clusters, one past the last key block loaded for the
+        cluster (`cluster_walk_end`), whose blocks past n_block_max this CTA lets go unread."""
         cfg = self.cfg
         wg_idx = cute.arch.make_warp_uniform(ctidx // 128)
         thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
@@ -671,6 +693,19 @@ class FlashFwdSm90(TimelineCounters):
             kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
         else:
             q_state, kv = states
+        if cutlass.const_expr(cfg.cluster_kv and cfg.causal):
+            # Key blocks only the cluster's later query blocks see: each is waited for (a slot is
+            # released only once both CTAs' copies into it are in, so that its barrier is not
+            # re-armed while bytes are still on their way) and released unread.
+            for _ in cutlass.range(n_walk_max - n_block_max, unroll=1):
+                pipeline_k.consumer_wait(kv)
+                pipeline_k.consumer_release(kv)
+                pipeline_v.consumer_wait(kv)
+                pipeline_v.consumer_release(kv)
+                kv.advance()
+            if n_walk_max > n_block_min and n_block_max <= n_block_min:
+                # a tile that sees no key, whose Q was loaded for the cluster: O goes over Q once it is in
+                pipeline_q.consumer_wait(q_state)
         if n_block_max > n_block_min:
             pipeline_q.consumer_wait(q_state)
             self.stamp(stamps, 1)

@@ -139,8 +139,8 @@ class Sm90FwdConfig:
     timeline: bool = False
     # Clusters of two CTAs on neighbouring query blocks of one (batch, head) share its K and V:
     # each CTA loads half of every K/V tile by TMA multicast into both, which halves the K/V
-    # reads from L2 (`with_cluster_kv`: unmasked calls without varlen or seqused_k, with an even
-    # number of query blocks, on tiles of 96 keys or more).
+    # reads from L2 (`with_cluster_kv`: calls without a window, varlen or seqused_k, with an even
+    # number of query blocks, on tiles of 96 keys or more; causal ones on one CTA per tile).
     cluster_kv: bool = False
     # Causal, window and key-tail masks of a row through a bit mask of its elements, which ptxas
     # turns into predicates seven at a time (R2P; `AttentionMask.apply`), instead of one integer
@@ -155,9 +155,9 @@ class Sm90FwdConfig:
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
         if self.timeline and (not self.has_lse or self.num_consumer_wgs > 3):
             raise ValueError("timeline writes its records over the LSE: it needs has_lse (and at most 3 warpgroups)")
-        if self.cluster_kv and not self.pairs_query_blocks:
-            raise ValueError("cluster_kv pairs query blocks that see the same keys: it takes no mask, varlen, "
-                             "seqused_k or tile_counter")
+        if self.cluster_kv and not (self.pairs_query_blocks or (self.pairs_causal_query_blocks and not self.persistent)):
+            raise ValueError("cluster_kv groups query blocks that see the same keys: it takes no varlen, seqused_k, "
+                             "window or tile_counter, and with a causal mask one CTA per tile")
         if self.tile_counter and not self.persistent:
             raise ValueError("tile_counter hands tiles to persistent CTAs; it needs persistent")
         if self.tile_m != 64 * self.num_consumer_wgs:
@@ -178,6 +178,13 @@ class Sm90FwdConfig:
         """Whether two CTAs on neighbouring query blocks walk the same key blocks (`cluster_kv`):
         no mask, varlen or seqused_k, and no tile counter handing tiles out one by one."""
         return not (self.causal or self.local or self.varlen_q or self.varlen_k or self.seqused_k or self.tile_counter)
+
+    @property
+    def pairs_causal_query_blocks(self) -> bool:
+        """Whether a causal call's neighbouring query blocks can share K/V (`cluster_kv`, on one
+        CTA per tile): no varlen, seqused_k or window. The cluster's CTAs walk the key blocks of
+        its last query block, each skipping those past its own."""
+        return self.causal and not (self.local or self.varlen_q or self.varlen_k or self.seqused_k)
 
     @property
     def num_threads(self) -> int:
@@ -270,24 +277,45 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     )
 
 
+# Causal calls take the K/V clusters from this many query blocks per sequence on, at these
+# (padded) head dims, on one CTA per tile. The cluster's two CTAs walk the key blocks of its
+# later query block (`FlashFwdSm90.cluster_walk_end`), so the grid gives up the persistent CTAs'
+# tile counter. On an H200 (bf16, `benchmarks/ab_sm90_fwd.py --causal-only --variants "grid,cluster
+# grid" --rounds 5`, 2048 / head dim heads, medians, TFLOP/s): hd128 2 x 8192 633.5 against 620.9
+# for the shipped counter (flash-attn-4 616.9), 1 x 16384 672.0 against 638.3 (647.2); hd192
+# 2 x 8192 706.0 against 693.0 (673.5), 1 x 16384 743.0 against 715.9 (690.8); but at 8 x 2048
+# (16 query blocks) the counter's balance is worth more than the halved K/V reads: hd128 496.0
+# against 525.5, hd192 522.8 against 529.7.
+CAUSAL_CLUSTER_MIN_BLOCKS = 64
+CAUSAL_CLUSTER_HEADDIMS = (128, 192)
+
+
 def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     """`config` with `cluster_kv` where a call with `num_m_blocks` query blocks per sequence can
-    take it: no mask, no varlen or seqused_k, and an even number of query blocks, so that both
-    CTAs of a cluster walk the same key blocks of the same (batch, head); and not on head dim
-    256's 128 x 64 tile, where it measured level (H200, bf16, 2 x 8192 x 8 heads, three rounds:
-    722-732 TFLOP/s against 730-731): one CTA per tile fills an SM, and a cluster waits for two
-    free SMs. Elsewhere on an H200 (`benchmarks/ab_clusters.py --rounds 5`, bf16, 2048 / head dim
-    heads, medians): head dim 128 2 x 8192 666.4 against 646.9 TFLOP/s (SM clock 1674 against
-    1633 MHz at the 700 W cap), 8 x 2048 615.2 against 606.7; 96 (on its former 128 x 128 tile)
-    558.2 against 541.6; 192 716.9 against 709.1; 64 at 1 x 16384 534.1 against 530.1."""
-    if num_m_blocks % 2 or not config.pairs_query_blocks or config.tile_n < 96:
+    take it: no window, no varlen or seqused_k, an even number of query blocks, so that both CTAs
+    of a cluster walk the key blocks of the same (batch, head), and with a causal mask at least
+    `CAUSAL_CLUSTER_MIN_BLOCKS` of them at `CAUSAL_CLUSTER_HEADDIMS` (one CTA per tile, above);
+    and not on head dim 256's 128 x 64 tile, where it measured level (H200, bf16, 2 x 8192 x 8
+    heads, three rounds: 722-732 TFLOP/s against 730-731): one CTA per tile fills an SM, and a
+    cluster waits for two free SMs. Elsewhere on an H200 (`benchmarks/ab_clusters.py --rounds 5`,
+    bf16, 2048 / head dim heads, medians, no mask): head dim 128 2 x 8192 666.4 against 646.9
+    TFLOP/s (SM clock 1674 against 1633 MHz at the 700 W cap), 8 x 2048 615.2 against 606.7; 96
+    (on its former 128 x 128 tile) 558.2 against 541.6; 192 716.9 against 709.1; 64 at 1 x 16384
+    534.1 against 530.1."""
+    if num_m_blocks % 2 or config.tile_n < 96:
         return config
-    return _clustered(config)
+    if config.pairs_query_blocks or (config.pairs_causal_query_blocks and num_m_blocks >= CAUSAL_CLUSTER_MIN_BLOCKS
+                                     and max(config.head_dim, config.head_dim_v) in CAUSAL_CLUSTER_HEADDIMS):
+        return _clustered(config)
+    return config
 
 
 @functools.lru_cache(maxsize=256)
 def _clustered(config: Sm90FwdConfig) -> Sm90FwdConfig:
-    """`config` with `cluster_kv`, built once per configuration (a call asks for it every time)."""
+    """`config` with `cluster_kv` (a causal one on one CTA per tile), built once per configuration
+    (a call asks for it every time)."""
+    if config.causal:
+        return replace(config, persistent=False, tile_counter=False, cluster_kv=True)
     return replace(config, cluster_kv=True)
 
 
@@ -329,6 +357,8 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", d, d, causal=True, mask_bits=False) for d in (64, 128)]
     # the K/V-sharing clusters of unmasked calls with an even number of query blocks
     configs += [replace(make_config(dtype, d, d), cluster_kv=True) for d in (64, 96, 128, 192) for dtype in DTYPES]
+    configs += [with_cluster_kv(make_config(dtype, d, d, causal=True), CAUSAL_CLUSTER_MIN_BLOCKS)
+                for d in CAUSAL_CLUSTER_HEADDIMS for dtype in DTYPES]
     configs += [replace(make_config("bfloat16", 128, 128, softcap=True), cluster_kv=True),
                 replace(make_config("bfloat16", 128, 128, has_lse=False), cluster_kv=True),
                 replace(make_config("bfloat16", 192, 128), cluster_kv=True)]
@@ -384,8 +414,8 @@ def sweep_configs() -> list:
         )
     )
     configs = list(itertools.chain(equal, unequal))
-    # and those calls with an even number of query blocks (`with_cluster_kv`)
-    return distinct(configs + [with_cluster_kv(c, 2) for c in configs])
+    # and those calls with enough query blocks, in pairs, for the K/V clusters (`with_cluster_kv`)
+    return distinct(configs + [with_cluster_kv(c, CAUSAL_CLUSTER_MIN_BLOCKS) for c in configs])
 
 
 def sweep_targets(arch: str) -> list:
