@@ -301,24 +301,27 @@ def test_sm90_fwd_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, seqlen
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1001), (461, 1001), (1001, 333), (256, 4097), (2048, 2048)])
-@pytest.mark.parametrize("d", [128, 192])
+@pytest.mark.parametrize("d,dv,softcap", [(128, 128, 0.0), (192, 192, 0.0), (128, 128, 15.0), (192, 192, 15.0),
+                                          (192, 128, 0.0), (64, 128, 0.0)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sm90_fwd_causal_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, seqlen_q, seqlen_k):
+def test_sm90_fwd_causal_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, softcap, seqlen_q, seqlen_k):
     """Causal K/V clusters (one CTA per tile): both CTAs walk the key blocks of the later query
     block, the earlier one letting those past its own go unread; the oracle passes and O and the
-    LSE are bitwise those of single CTAs. 1001 x 333 has tiles that see no key next to tiles
-    that do (the CTA with none still waits for the cluster's loads)."""
+    LSE are bitwise those of single CTAs, soft-capped and with unequal head dims too. 1001 x 333
+    has tiles that see no key next to tiles that do (the CTA with none still waits for the
+    cluster's loads)."""
     backend = _backend()
-    torch.manual_seed(d + seqlen_q + seqlen_k)
-    q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, d, dtype)
-    args = _args(d, True)
+    torch.manual_seed(d + dv + seqlen_q + seqlen_k)
+    q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, dv, dtype)
+    args = _args(d, True, softcap=softcap)
     lse = torch.empty(3, 24, seqlen_q, dtype=torch.float32, device="cuda")
     grid = replace(backend.config(q, k, v, lse, args), persistent=False, tile_counter=False)
     results = []
     for config in (replace(grid, cluster_kv=True), grid):
         fn, _ = backend.cache.get(config, backend.arch())
         a = backend.cache.args
-        out, lse = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
+        out = torch.full((*q.shape[:-1], dv), float("nan"), dtype=q.dtype, device="cuda")
+        lse = torch.full_like(lse, float("nan"))
         backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
         torch.cuda.synchronize()
         check_forward(out, lse, q, k, v, args)
