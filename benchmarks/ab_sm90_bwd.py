@@ -174,15 +174,10 @@ def _compile_variant(config) -> str:
 
 
 def warm(cases, jobs: int, only=None) -> None:
-    """Every variant's main kernel compiled into the disk cache by `jobs` processes at once, so
-    that the timing loop (which compiles one at a time) only loads them."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
+    """Every variant's main kernel compiled into the disk cache by `jobs` processes at once."""
+    from bench_lib import warm_in_processes
 
-    configs = [config for d, causal in cases for _, config in variants(d, causal, only)]
-    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
-        sources = list(pool.map(_compile_variant, configs))
-    print(f"warm-up: {len(configs)} variants ({', '.join(sorted(set(sources)))})", flush=True)
+    warm_in_processes([config for d, causal in cases for _, config in variants(d, causal, only)], _compile_variant, jobs)
 
 
 def problem(b: int, s: int, h: int, d: int, causal: bool) -> tuple:
@@ -275,10 +270,7 @@ def main(argv=None) -> int:
         print("needs an sm_90 GPU (H100/H200); --compile-only runs anywhere", file=sys.stderr)
         return 2
     if opts.jobs > 0:
-        try:
-            warm(cases, opts.jobs, opts.variants)
-        except Exception as exc:  # the timing loop compiles what is missing
-            print(f"warm-up failed ({type(exc).__name__}: {exc}); compiling in turn", flush=True)
+        warm(cases, opts.jobs, opts.variants)
     on_gpu(cases, opts)
     return 0
 

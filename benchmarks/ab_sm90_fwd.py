@@ -125,6 +125,13 @@ def compile_only(cases, only=None) -> None:
         print(f"hd{d:<3} {'causal' if causal else 'full  '}  " + " | ".join(cells), flush=True)
 
 
+def _compile_variant(config) -> str:
+    from cute_flash.backends import get_backend
+
+    backend = get_backend("cute-sm90")
+    return backend.cache.get(config, backend.arch())[1]
+
+
 def check_problems(d: int, causal: bool, dtype):
     """(name, q, k, v) small problems on which every variant must match the reference."""
     import torch
@@ -248,12 +255,18 @@ def main(argv=None) -> int:
                    help="time every variant (and flash-attn-4) this many times, taking turns, and report the medians")
     p.add_argument("--variants", type=lambda x: [v.strip() for v in x.split(",")], default=None,
                    help="comma list of variant labels to run besides the shipped one (default: all)")
+    p.add_argument("--jobs", type=int, default=0, help="compile the variants first in this many processes")
     args = p.parse_args(argv)
     cases = ab_cases(p, args, tuple(HEADS))
     if args.compile_only:
         compile_only(cases, args.variants)
-    else:
-        on_gpu(cases, args)
+        return 0
+    if args.jobs > 0:
+        from bench_lib import warm_in_processes
+
+        warm_in_processes([c for d, causal in cases for _, c in variants(d, causal, args.variants)], _compile_variant,
+                          args.jobs)
+    on_gpu(cases, args)
     return 0
 
 

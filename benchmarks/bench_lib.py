@@ -53,6 +53,23 @@ def add_ab_case_arguments(parser, head_dims: Sequence[int], seqlen: int, compile
     parser.add_argument("--seqlen", type=int, default=seqlen)
 
 
+def warm_in_processes(configs, compile_one, jobs: int) -> None:
+    """`compile_one(config)` (a module-level function, which returns where the kernel came from)
+    for every configuration in `jobs` processes at once, so that a timing loop that compiles one
+    at a time then only loads them from the disk cache. A failure is reported, not raised: the
+    loop compiles whatever is missing."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+            sources = list(pool.map(compile_one, configs))
+    except Exception as exc:
+        print(f"warm-up failed ({type(exc).__name__}: {exc}); compiling in turn", flush=True)
+        return
+    print(f"warm-up: {len(configs)} variants ({', '.join(sorted(set(map(str, sources))))})", flush=True)
+
+
 def ab_cases(parser, opts, head_dims: Sequence[int]) -> list:
     """(head dim, causal) of every case `add_ab_case_arguments`' options ask for; a head dim
     outside `head_dims` is a usage error."""

@@ -512,6 +512,24 @@ def test_ab_scripts_share_their_case_options():
         bl.ab_cases(p, p.parse_args(["--head-dims", "96"]), (64, 128))
 
 
+def test_warm_in_processes_reports_what_each_compile_returned(capsys):
+    # a module-level callable, as the A/B scripts pass theirs (spawned processes import it)
+    bl.warm_in_processes([[1], [2, 3], [4]], len, 2)
+    assert capsys.readouterr().out.strip() == "warm-up: 3 variants (1, 2)"
+
+
+def test_warm_in_processes_reports_a_failure_and_goes_on(capsys):
+    bl.warm_in_processes([1], len, 1)  # len(1) raises TypeError in the worker
+    assert capsys.readouterr().out.startswith("warm-up failed (TypeError")
+
+
+def test_ab_sm90_fwd_takes_jobs():
+    import ab_sm90_fwd
+
+    with pytest.raises(SystemExit):  # --jobs is an int
+        ab_sm90_fwd.main(["--jobs", "many"])
+
+
 def _timeline_record(sm, steps, start, cycles_per_step, step_ns=1000, wrap=0):
     """A synthetic `Sm90BwdConfig.timeline` record: one CTA on SM `sm` starting at `start` ns,
     K/V in after 500 ns, the first Q in after 800, `steps` steps of `step_ns`, a 700 ns epilogue;
