@@ -45,12 +45,12 @@ def main(argv=None) -> int:
     b = args.batch or max(1, 16384 // args.seqlen)
     h, d = args.hidden // args.head_dim, args.head_dim
     torch.manual_seed(0)
-    q, k, v = (torch.randn(b, args.seqlen, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    dout = torch.randn_like(q)
-    step = _step_fn(args.provider, q, k, v, dout, args.causal)
+    q, k, v = (torch.randn(b, args.seqlen, h, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=not args.forward_only) for _ in range(3))
     if args.forward_only:
-        step = _forward_fn(args.provider, q.detach(), k.detach(), v.detach(), args.causal)
+        step = _forward_fn(args.provider, q, k, v, args.causal)
+    else:
+        step = _step_fn(args.provider, q, k, v, torch.randn_like(q), args.causal)
     for _ in range(2):
         q.grad = k.grad = v.grad = None
         step()
