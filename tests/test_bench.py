@@ -3,6 +3,7 @@ rule, the table / JSON / plot writers on synthetic results, and the command line
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -528,6 +529,43 @@ def test_ab_sm90_fwd_takes_jobs():
 
     with pytest.raises(SystemExit):  # --jobs is an int
         ab_sm90_fwd.main(["--jobs", "many"])
+
+
+_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;
+.L_x_2:
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;
+        /*0030*/                   MUFU.EX2 R3, R3 ;
+        /*0040*/               @P0 FMNMX.NAN R4, R4, R5, !PT ;
+        /*0050*/               @P1 BRA `(.L_x_2) ;
+        /*0060*/                   FADD R4, R4, R5 ;
+        /*0070*/              @!P0 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_loop_sass_takes_the_smallest_loop_with_the_gemms():
+    import loop_sass
+
+    inner = loop_sass.key_block_loop(_SASS, 1)
+    assert [x.split()[0] for x in inner] == ["HGMMA.64x128x16.F32.BF16", "MUFU.EX2", "@P0", "@P1"]
+    outer = loop_sass.key_block_loop(_SASS, 2)
+    assert len(outer) == 7
+    assert loop_sass.mix(outer) == {"HGMMA.64x128x16": 2, "MUFU.EX2": 1, "FMNMX.NAN": 1, "BRA": 2, "FADD": 1}
+    with pytest.raises(ValueError):
+        loop_sass.key_block_loop(_SASS, 3)
+
+
+def test_loop_sass_finds_the_key_block_loop_of_the_shipped_kernel(capsys):
+    import loop_sass
+
+    assert loop_sass.main(["--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    count = int(re.search(r"\[0\]\s+(\d+)\s+fwd_sm90_bfloat16_hd64", out).group(1))
+    assert 300 < count < 600  # one key block's softmax for 64 scores a thread, and its GEMMs
+    assert re.search(r"HGMMA\.64x128x16\s+4\b", out) and re.search(r"MUFU\.EX2\s+6\d\b", out)
 
 
 def _timeline_record(sm, steps, start, cycles_per_step, step_ns=1000, wrap=0):

@@ -1,0 +1,159 @@
+"""The sm_90 forward's key-block loop in SASS: its instruction count and mix, next to flash-attn-4's.
+
+    python benchmarks/loop_sass.py --head-dim 128                 # cute_flash's shipped kernel (CPU)
+    python benchmarks/loop_sass.py --head-dim 64 --causal --fa4   # and flash-attn-4's, compiled here too
+
+Both kernels are compiled for sm_90a on this machine (no GPU needed): cute_flash's shipped
+configuration (`make_config`, without the K/V clusters), and with `--fa4` flash-attn-4's
+`flash_attn_func` under torch's FakeTensorMode with its documented CPU-compile settings
+(FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, FLASH_ATTENTION_NUM_SMS; set before the DSL is imported,
+so run it as a script of its own). The key-block loop is the
+smallest loop of the SASS (a branch back to an earlier label) that holds one key block's GEMMs,
+S = Q K^T and O += P V: head_dim / 16 + tile_n / 16 HGMMAs. The instruction count of that loop
+is what one warp issues per key block; both kernels' tiles are the same at head dims 64 and 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_INST = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;?\s*$")
+_BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+# opcodes whose second part says what they are (the rest are counted by their first part)
+_TWO_PART = ("FMNMX", "F2FP", "HGMMA", "MUFU")
+
+
+def instructions(sass: str) -> tuple[list, dict]:
+    """(instructions in order, label -> index of the instruction after it) of `nvdisasm -c` text."""
+    insts, labels = [], {}
+    for line in sass.splitlines():
+        m = _LABEL.match(line.strip())
+        if m:
+            labels[m.group(1)] = len(insts)
+            continue
+        m = _INST.match(line)
+        if m:
+            insts.append(m.group(1))
+    return insts, labels
+
+
+def key_block_loop(sass: str, gemm_instructions: int) -> list:
+    """The smallest loop holding at least `gemm_instructions` HGMMAs: its instructions."""
+    insts, labels = instructions(sass)
+    loops = []
+    for end, inst in enumerate(insts):
+        m = _BRANCH.search(inst)
+        start = labels.get(m.group(1)) if m else None
+        if start is not None and start <= end:
+            body = insts[start:end + 1]
+            if sum("HGMMA" in x for x in body) >= gemm_instructions:
+                loops.append(body)
+    if not loops:
+        raise ValueError(f"no loop with {gemm_instructions} HGMMAs in the SASS")
+    return min(loops, key=len)
+
+
+def mix(body: list) -> collections.Counter:
+    """Opcode counts (predicates dropped; FMNMX.NAN, F2FP.BF16, HGMMA.64x128x16, MUFU.EX2 kept apart)."""
+    counts = collections.Counter()
+    for inst in body:
+        op = _PREDICATE.sub("", inst).split()[0]
+        parts = op.split(".")
+        counts[".".join(parts[:2]) if parts[0] in _TWO_PART else parts[0]] += 1
+    return counts
+
+
+def cute_flash_sass(head_dim: int, causal: bool) -> tuple[str, str]:
+    from cute_flash.audit import AuditTarget, audit_target
+    from cute_flash.kernels.sm90.fwd_config import compile_fwd, make_config
+
+    config = make_config("bfloat16", head_dim, head_dim, causal=causal)
+    with tempfile.TemporaryDirectory() as tmp:
+        row = audit_target(AuditTarget(config.name, "sm_90a", lambda opts: compile_fwd(config, opts)), keep_dir=Path(tmp))
+        if row.error:
+            raise RuntimeError(row.error)
+        return config.name, (Path(tmp) / config.name / "kernel.sass").read_text()
+
+
+def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str]:
+    """flash-attn-4's sm_90 forward for bf16 8 x 2048 x (2048 / head_dim) heads, compiled here
+    (`FA4_CPU_ENV` set before the DSL is first imported)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import flash_attn.cute.interface as fa4
+    from cute_flash.audit import find_tool
+
+    compiled, failure = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = fa4.cute.compile
+
+        def keeping(*args, options="", **kwargs):
+            out = plain(*args, options=f"{options} --gpu-arch sm_90a --keep-cubin --dump-dir {tmp}", **kwargs)
+            compiled.append(out)
+            return out
+
+        fa4.cute.compile = keeping
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                q = torch.empty(8, 2048, 2048 // head_dim, head_dim, dtype=torch.bfloat16, device="cuda")
+                try:
+                    fa4.flash_attn_func(q, q, q, causal=causal)
+                except Exception as exc:  # the launch of a fake call; the kernel is compiled by then
+                    failure = exc
+        finally:
+            fa4.cute.compile = plain
+        if not compiled:
+            raise RuntimeError(f"flash-attn-4 compiled no kernel ({type(failure).__name__}: {failure})")
+        cubin = Path(tmp) / "fa4.cubin"
+        cubin.write_bytes(compiled[-1].artifacts.CUBIN)
+        sass = subprocess.run([find_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True)
+        return "flash-attn-4 FlashAttentionForwardSm90", sass.stdout
+
+
+# flash-attn-4's settings for compiling without a GPU; the DSL reads CUTE_DSL_ARCH when first imported
+FA4_CPU_ENV = {"FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a", "FLASH_ATTENTION_NUM_SMS": "132"}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--fa4", action="store_true", help="flash-attn-4's loop too (needs flash_attn.cute and einops)")
+    args = p.parse_args(argv)
+    if args.fa4:
+        for key, value in FA4_CPU_ENV.items():
+            os.environ.setdefault(key, value)
+    from cute_flash.kernels.sm90.fwd_config import make_config
+
+    tile_n = make_config("bfloat16", args.head_dim, args.head_dim, causal=args.causal).tile_n
+    gemms = args.head_dim // 16 + tile_n // 16
+    sources = [cute_flash_sass] + ([fa4_sass] if args.fa4 else [])
+    rows = []
+    for source in sources:
+        name, sass = source(args.head_dim, args.causal)
+        body = key_block_loop(sass, gemms)
+        rows.append((name, len(body), mix(body)))
+    ops = sorted({op for _, _, m in rows for op in m}, key=lambda op: -max(m[op] for _, _, m in rows))
+    print(f"hd{args.head_dim} {'causal' if args.causal else 'no mask'}: instructions per key block and warp")
+    for i, (name, n, _) in enumerate(rows):
+        print(f"  [{i}] {n:5d}  {name}")
+    print(f"{'opcode':>16}" + "".join(f"{f'[{i}]':>8}" for i in range(len(rows))))
+    for op in ops:
+        print(f"{op:>16}" + "".join(f"{m[op]:>8}" for _, _, m in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
