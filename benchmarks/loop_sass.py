@@ -9,8 +9,10 @@ configuration (`make_config`, without the K/V clusters), and with `--fa4` flash-
 (FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, FLASH_ATTENTION_NUM_SMS; set before the DSL is imported,
 so run it as a script of its own). The key-block loop is the
 smallest loop of the SASS (a branch back to an earlier label) that holds one key block's GEMMs,
-S = Q K^T and O += P V: head_dim / 16 + tile_n / 16 HGMMAs. The instruction count of that loop
-is what one warp issues per key block; both kernels' tiles are the same at head dims 64 and 128.
+S = Q K^T and O += P V: head_dim / 16 + tile_n / 16 HGMMAs. Printed: the loop's instruction
+count and opcode mix, and the instructions of one trip around it along each path through it
+(a branch inside it, such as the lazy rescale's skip of O's FMULs, makes two): what one warp
+issues per key block. Both kernels' tiles are the same at head dims 64 and 128.
 """
 
 from __future__ import annotations
@@ -48,20 +50,56 @@ def instructions(sass: str) -> tuple[list, dict]:
     return insts, labels
 
 
-def key_block_loop(sass: str, gemm_instructions: int) -> list:
-    """The smallest loop holding at least `gemm_instructions` HGMMAs: its instructions."""
-    insts, labels = instructions(sass)
+def _loop_span(insts: list, labels: dict, gemm_instructions: int) -> tuple[int, int]:
+    """(first, last) instruction of the smallest loop holding `gemm_instructions` HGMMAs."""
     loops = []
     for end, inst in enumerate(insts):
         m = _BRANCH.search(inst)
         start = labels.get(m.group(1)) if m else None
         if start is not None and start <= end:
-            body = insts[start:end + 1]
-            if sum("HGMMA" in x for x in body) >= gemm_instructions:
-                loops.append(body)
+            if sum("HGMMA" in x for x in insts[start:end + 1]) >= gemm_instructions:
+                loops.append((end - start, start, end))
     if not loops:
         raise ValueError(f"no loop with {gemm_instructions} HGMMAs in the SASS")
-    return min(loops, key=len)
+    _, start, end = min(loops)
+    return start, end
+
+
+def key_block_loop(sass: str, gemm_instructions: int) -> list:
+    """The smallest loop holding at least `gemm_instructions` HGMMAs: its instructions, every
+    path through it included (see `path_lengths`)."""
+    insts, labels = instructions(sass)
+    start, end = _loop_span(insts, labels, gemm_instructions)
+    return insts[start:end + 1]
+
+
+def path_lengths(sass: str, gemm_instructions: int, most: int = 64) -> list:
+    """Instructions issued by one trip around that loop along each of its paths (sorted, distinct):
+    a predicated branch forward inside the loop forks the path (ptxas may duplicate code on both
+    sides, so the loop's length overstates a trip), a branch out of it or back inside it is taken
+    as not taken (the slow paths of a barrier wait; a loop inside it runs once), and the loop's
+    own branch back ends the trip."""
+    insts, labels = instructions(sass)
+    start, end = _loop_span(insts, labels, gemm_instructions)
+    lengths, todo = set(), [(start, 0)]
+    while todo and len(lengths) < most:
+        pos, count = todo.pop()
+        while True:
+            count += 1
+            if pos == end:
+                lengths.add(count)
+                break
+            m = _BRANCH.search(insts[pos])
+            target = labels.get(m.group(1)) if m else None
+            if target is None or not pos < target <= end:
+                # no branch, one out of the loop, or the branch back of a loop inside it: go on
+                pos += 1
+            elif _PREDICATE.match(insts[pos].strip()):
+                todo.append((target, count))
+                pos += 1
+            else:
+                pos = target
+    return sorted(lengths)
 
 
 def mix(body: list) -> collections.Counter:
@@ -144,14 +182,15 @@ def main(argv=None) -> int:
     for source in sources:
         name, sass = source(args.head_dim, args.causal)
         body = key_block_loop(sass, gemms)
-        rows.append((name, len(body), mix(body)))
-    ops = sorted({op for _, _, m in rows for op in m}, key=lambda op: -max(m[op] for _, _, m in rows))
-    print(f"hd{args.head_dim} {'causal' if args.causal else 'no mask'}: instructions per key block and warp")
-    for i, (name, n, _) in enumerate(rows):
-        print(f"  [{i}] {n:5d}  {name}")
+        rows.append((name, len(body), path_lengths(sass, gemms), mix(body)))
+    ops = sorted({op for *_, m in rows for op in m}, key=lambda op: -max(m[op] for *_, m in rows))
+    print(f"hd{args.head_dim} {'causal' if args.causal else 'no mask'}: the key-block loop's instructions "
+          "(all of them; per trip along each path) and its opcodes (all of them)")
+    for i, (name, n, paths, _) in enumerate(rows):
+        print(f"  [{i}] {n:5d}  per trip {'/'.join(map(str, paths))}  {name}")
     print(f"{'opcode':>16}" + "".join(f"{f'[{i}]':>8}" for i in range(len(rows))))
     for op in ops:
-        print(f"{op:>16}" + "".join(f"{m[op]:>8}" for _, _, m in rows))
+        print(f"{op:>16}" + "".join(f"{m[op]:>8}" for *_, m in rows))
     return 0
 
 

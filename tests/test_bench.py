@@ -556,6 +556,33 @@ def test_loop_sass_takes_the_smallest_loop_with_the_gemms():
     assert loop_sass.mix(outer) == {"HGMMA.64x128x16": 2, "MUFU.EX2": 1, "FMNMX.NAN": 1, "BRA": 2, "FADD": 1}
     with pytest.raises(ValueError):
         loop_sass.key_block_loop(_SASS, 3)
+    # the inner loop: one path; the outer one: around the inner loop once, or past its branch
+    assert loop_sass.path_lengths(_SASS, 1) == [4]
+    assert loop_sass.path_lengths(_SASS, 2) == [7]
+
+
+_FORKED = """
+.L_x_1:
+        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, gsb0 ;
+        /*0010*/              @!P0 BRA `(.L_x_9) ;
+        /*0020*/               @P1 BRA `(.L_x_2) ;
+        /*0030*/                   FMUL R4, R4, R5 ;
+        /*0040*/                   FMUL R6, R6, R5 ;
+.L_x_2:
+        /*0050*/                   FADD R4, R4, R6 ;
+        /*0060*/               @P2 BRA `(.L_x_1) ;
+        /*0070*/                   EXIT ;
+.L_x_9:
+        /*0080*/                   BRA `(.L_x_1) ;
+"""
+
+
+def test_loop_sass_counts_each_path_of_a_trip():
+    import loop_sass
+
+    # a branch out of the loop (a wait's slow path) is not taken; the skip of the FMULs forks
+    assert loop_sass.path_lengths(_FORKED, 1) == [5, 7]
+    assert len(loop_sass.key_block_loop(_FORKED, 1)) == 7
 
 
 def test_loop_sass_finds_the_key_block_loop_of_the_shipped_kernel(capsys):
@@ -563,7 +590,7 @@ def test_loop_sass_finds_the_key_block_loop_of_the_shipped_kernel(capsys):
 
     assert loop_sass.main(["--head-dim", "64"]) == 0
     out = capsys.readouterr().out
-    count = int(re.search(r"\[0\]\s+(\d+)\s+fwd_sm90_bfloat16_hd64", out).group(1))
+    count = int(re.search(r"\[0\]\s+\d+\s+per trip (\d+)\s+fwd_sm90_bfloat16_hd64", out).group(1))
     assert 300 < count < 600  # one key block's softmax for 64 scores a thread, and its GEMMs
     assert re.search(r"HGMMA\.64x128x16\s+4\b", out) and re.search(r"MUFU\.EX2\s+6\d\b", out)
 
