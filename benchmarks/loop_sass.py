@@ -21,7 +21,6 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -68,17 +67,21 @@ def _loop_span(insts: list, labels: dict, gemm_instructions: int) -> tuple[int, 
 def key_block_loop(sass: str, gemm_instructions: int) -> list:
     """The smallest loop holding at least `gemm_instructions` HGMMAs: its instructions, every
     path through it included (see `path_lengths`)."""
-    insts, labels = instructions(sass)
-    start, end = _loop_span(insts, labels, gemm_instructions)
-    return insts[start:end + 1]
+    return analyse(sass, gemm_instructions)[0]
 
 
 def path_lengths(sass: str, gemm_instructions: int, most: int = 64) -> list:
-    """Instructions issued by one trip around that loop along each of its paths (sorted, distinct):
+    """`analyse`'s instructions per trip along each path of the loop."""
+    return analyse(sass, gemm_instructions, most)[1]
+
+
+def analyse(sass: str, gemm_instructions: int, most: int = 64) -> tuple[list, list]:
+    """The smallest loop holding `gemm_instructions` HGMMAs, and the instructions issued by one
+    trip around it along each of its paths (sorted, distinct):
     a predicated branch forward inside the loop forks the path (ptxas may duplicate code on both
     sides, so the loop's length overstates a trip), a branch out of it or back inside it is taken
     as not taken (the slow paths of a barrier wait; a loop inside it runs once), and the loop's
-    own branch back ends the trip."""
+    own branch back ends the trip. Returns (the loop's instructions, those lengths)."""
     insts, labels = instructions(sass)
     start, end = _loop_span(insts, labels, gemm_instructions)
     lengths, todo = set(), [(start, 0)]
@@ -99,7 +102,7 @@ def path_lengths(sass: str, gemm_instructions: int, most: int = 64) -> list:
                 pos += 1
             else:
                 pos = target
-    return sorted(lengths)
+    return insts[start:end + 1], sorted(lengths)
 
 
 def mix(body: list) -> collections.Counter:
@@ -131,7 +134,7 @@ def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import flash_attn.cute.interface as fa4
-    from cute_flash.audit import find_tool
+    from cute_flash.audit import _run
 
     compiled, failure = [], None
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,8 +159,7 @@ def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str]:
             raise RuntimeError(f"flash-attn-4 compiled no kernel ({type(failure).__name__}: {failure})")
         cubin = Path(tmp) / "fa4.cubin"
         cubin.write_bytes(compiled[-1].artifacts.CUBIN)
-        sass = subprocess.run([find_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True)
-        return "flash-attn-4 FlashAttentionForwardSm90", sass.stdout
+        return "flash-attn-4 FlashAttentionForwardSm90", _run("nvdisasm", "-c", str(cubin))
 
 
 # flash-attn-4's settings for compiling without a GPU; the DSL reads CUTE_DSL_ARCH when first imported
@@ -181,8 +183,8 @@ def main(argv=None) -> int:
     rows = []
     for source in sources:
         name, sass = source(args.head_dim, args.causal)
-        body = key_block_loop(sass, gemms)
-        rows.append((name, len(body), path_lengths(sass, gemms), mix(body)))
+        body, paths = analyse(sass, gemms)
+        rows.append((name, len(body), paths, mix(body)))
     ops = sorted({op for *_, m in rows for op in m}, key=lambda op: -max(m[op] for *_, m in rows))
     print(f"hd{args.head_dim} {'causal' if args.causal else 'no mask'}: the key-block loop's instructions "
           "(all of them; per trip along each path) and its opcodes (all of them)")
