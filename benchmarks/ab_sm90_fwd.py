@@ -16,6 +16,8 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   head dim 64): every block moves the reference and rescales O;
 * with a causal mask, `compares` (`mask_bits=False`): each masked element's column compared
   with its row's limit, instead of the limit turned into a bit mask of the row's elements;
+* with a causal mask at head dims 64 and 128, `whole` (`masked_halves=False`): every masked key
+  block's GEMMs over all of its keys, also for a warpgroup that sees half of them or none;
 * at head dims 192 and 256: the other GEMM-issue schedule, `no pingpong` at 192 (the consumer
   warpgroups issuing their GEMMs freely, shipped before 2026-12-01) and `pingpong` at 256, and,
   when causal, the same with the other mask as well (`pingpong, compares`);
@@ -77,13 +79,15 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     rescale = ("lazy", "eager") if shipped.lazy_rescale else ("eager", "lazy")
     out = [(rescale[0], shipped), (rescale[1], replace(shipped, lazy_rescale=not shipped.lazy_rescale))]
     if shipped.persistent:  # the one-tile-per-CTA grid
-        out += [("grid", replace(shipped, persistent=False, tile_counter=False))]
+        out += [("grid", replace(shipped, persistent=False, tile_counter=False, masked_halves=False))]
     elif TILES[head_dim].persistent:  # persistent CTAs where the call does not ship them
         out += [("persist", replace(shipped, persistent=True))]
     if shipped.tile_counter:  # persistent CTAs taking the tiles by a fixed stride
         out += [("stride", replace(shipped, tile_counter=False))]
     if causal:  # the mask by a comparison per element instead of bit masks
         out += [("compares", replace(shipped, mask_bits=False))]
+    if shipped.masked_halves:  # every masked block's GEMMs over all of its keys
+        out += [("whole", replace(shipped, masked_halves=False))]
     if head_dim in (192, 256):  # the other GEMM-issue schedule (ping-pong on or off)
         out += [("no pingpong" if shipped.pingpong else "pingpong", replace(shipped, pingpong=not shipped.pingpong))]
         if causal:  # ... with the other mask
@@ -94,7 +98,8 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if head_dim == 192:  # wider key blocks (fewer on the causal diagonal)
         out += [(f"n{n}", replace(shipped, tile_n=n)) for n in (112, 128) if _fits(shipped, tile_n=n)]
     if head_dim in (128, 192) and causal:  # causal K/V clusters on the one-CTA-per-tile grid
-        out += [("cluster grid", replace(shipped, persistent=False, tile_counter=False, cluster_kv=True))]
+        out += [("cluster grid", replace(shipped, persistent=False, tile_counter=False, cluster_kv=True,
+                                         masked_halves=False))]
     if head_dim in (128, 192) and shipped.pairs_query_blocks:
         # the K/V clusters that calls with an even number of query blocks take
         out += [("cluster", replace(shipped, cluster_kv=True))]

@@ -45,7 +45,7 @@ def parse_candidate(spec: str, arch: str) -> dict:
     if arch == "sm_90a":
         fields.update(num_consumer_wgs=workers, pingpong=not m.group(5))
         if m.group(7):
-            fields.update(persistent=False, tile_counter=False)
+            fields.update(persistent=False, tile_counter=False, masked_halves=False)
     else:
         if m.group(5) or m.group(7):
             raise ValueError("-nopp and -grid are sm_90a options")
@@ -70,7 +70,10 @@ def candidates(args) -> list:
     out = [("shipped", shipped, None)]
     for spec in args.candidates:
         try:
-            out.append((spec, replace(shipped, **parse_candidate(spec, args.arch)), None))
+            fields = parse_candidate(spec, args.arch)
+            if getattr(shipped, "masked_halves", False):  # the half blocks need 128 keys per block
+                fields.setdefault("masked_halves", fields.get("tile_n", shipped.tile_n) == 128)
+            out.append((spec, replace(shipped, **fields), None))
         except (ValueError, TypeError) as exc:
             out.append((spec, None, str(exc)))
     return out

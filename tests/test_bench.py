@@ -389,6 +389,7 @@ def test_tile_candidates_parse_and_replace_only_the_tile():
         arch="sm_90a", dtype="bfloat16", head_dim=128, causal=True, candidates=["128x144w2s2", "100x128w2s2"])
     (label, shipped, _), (_, tuned, _), (_, bad, why) = tune_tiles.candidates(args)
     assert label == "shipped" and tuned.causal and tuned.tile_n == 144
+    assert shipped.masked_halves and not tuned.masked_halves  # half blocks need 128 keys
     assert replace_tile(tuned, shipped) == shipped  # nothing but the tile differs
     assert bad is None and "64 per consumer warpgroup" in why
 
@@ -432,8 +433,9 @@ def test_bwd_tile_candidates_replace_only_the_tile_and_restore_the_table():
 def replace_tile(config, like):
     from dataclasses import replace
 
-    return replace(config, **{f: getattr(like, f) for f in ("tile_m", "tile_n", "num_stages", "num_consumer_wgs",
-                                                            "pingpong")})
+    # (and the sm_90 forward's half blocks, which come with 128 keys per block)
+    fields = ("tile_m", "tile_n", "num_stages", "num_consumer_wgs", "pingpong", "masked_halves")
+    return replace(config, **{f: getattr(like, f) for f in fields if hasattr(like, f)})
 
 
 @pytest.mark.parametrize("causal", [False, True])

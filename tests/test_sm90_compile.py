@@ -184,12 +184,12 @@ def test_sm90_audit_targets_cover_every_shipped_config():
     assert fc.audit_targets("sm_80") == []
 
 
-def test_sm90_every_shipped_config_compiles_without_spills_with_hgmma_tma_and_setmaxnreg():
+def test_sm90_every_shipped_config_compiles_without_spills_with_hgmma_tma_and_setmaxnreg(tmp_path):
     from cute_flash import audit
 
     if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
         pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
-    rows = audit.audit("sm_90a", modules=["cute_flash.kernels.sm90.fwd_config"])
+    rows = audit.audit("sm_90a", modules=["cute_flash.kernels.sm90.fwd_config"], keep_dir=tmp_path)
     assert len(rows) == len(fc.shipped_configs())
     problems = []
     for row, config in zip(rows, fc.shipped_configs()):
@@ -198,6 +198,9 @@ def test_sm90_every_shipped_config_compiles_without_spills_with_hgmma_tma_and_se
             continue
         if row.spills:
             problems.append(f"{row.name}: spills {row.spill_stores}/{row.spill_loads} bytes, SASS {row.sass}")
+        # ptxas serializes WGMMAs (a wait after each) when it cannot keep their registers apart
+        if "instructions are serialized" in (tmp_path / config.name / "remarks.yaml").read_text():
+            problems.append(f"{row.name}: WGMMAs serialized")
         if not (row.sass["HGMMA"] and row.sass["UTMALDG"] and row.setmaxnreg):
             problems.append(f"{row.name}: HGMMA/UTMALDG/setmaxnreg missing: {row.sass}, setmaxnreg={row.setmaxnreg}")
         # the TMA store epilogue, except for varlen batches (predicated stores there)
@@ -231,3 +234,59 @@ def test_sm90_warmup_of_a_call_compiles_its_k_v_cluster_variant_too(tmp_path, mo
     assert configs == [single, fc.with_cluster_kv(single, 2), causal, causal_cluster]
     assert configs[1].cluster_kv and causal_cluster.cluster_kv and not causal_cluster.persistent
     assert [r[1] for r in report] == ["compiled"] * 4
+
+
+@pytest.mark.parametrize("headdim", fc.TILE_HEADDIMS + (40, 120))
+def test_sm90_masked_halves_where_key_blocks_are_128_and_masked(headdim):
+    """`masked_halves`: causal calls on 128-key blocks (head dims 64 and 128, and those padded to
+    them); windows only when asked for; never without a mask, nor on other tiles, where it is
+    refused; not on one CTA per tile (head dim 64 with softcap, the causal clusters), where ptxas
+    serialized the WGMMAs with it."""
+    for flags in ({}, {"causal": True}, {"local": True}):
+        config = fc.make_config("bfloat16", headdim, headdim, **flags)
+        assert config.masked_halves == (bool(flags.get("causal")) and config.tile_n == 128)
+        assert ("halves" in config.name.split("_")) == config.masked_halves
+        softcap = fc.make_config("bfloat16", headdim, headdim, softcap=True, **flags)
+        assert softcap.masked_halves == (config.masked_halves and softcap.persistent)
+    causal = fc.make_config("bfloat16", headdim, headdim, causal=True)
+    clustered = fc.with_cluster_kv(causal, fc.CAUSAL_CLUSTER_MIN_BLOCKS)
+    assert not (clustered.cluster_kv and clustered.masked_halves)
+    assert not fc.make_config("bfloat16", headdim, headdim, causal=True, persistent=False).masked_halves
+    causal = fc.make_config("bfloat16", headdim, headdim, causal=True)
+    if causal.masked_halves:
+        assert replace(causal, masked_halves=False) in fc.shipped_configs()  # the A/B variant
+        window = fc.make_config("bfloat16", headdim, headdim, local=True, masked_halves=True)
+        assert window in fc.shipped_configs()  # compiled without spills by the audit test
+        with pytest.raises(ValueError, match="masked_halves"):
+            replace(causal, intra_wg_overlap=False, pingpong=False)
+        with pytest.raises(ValueError, match="masked_halves"):
+            replace(causal, causal=False)
+        with pytest.raises(ValueError, match="masked_halves"):
+            replace(causal, persistent=False, tile_counter=False)
+    else:
+        with pytest.raises(ValueError, match="masked_halves"):
+            replace(causal, masked_halves=True)
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_sm90_masked_halves_issue_64_key_gemms_without_serializing(headdim, tmp_path):
+    """The half blocks' S GEMM is an HGMMA of 64 keys next to the whole blocks' 128, and its
+    branches leave ptxas's WGMMA pipeline intact (no serialization remark, no spills); without
+    `masked_halves` every S GEMM takes 128 keys (at head dim 64, P·V's HGMMAs are 64 wide too)."""
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    halves = fc.make_config("bfloat16", headdim, headdim, causal=True)
+    whole = replace(halves, masked_halves=False)
+    hgmma = {}
+    for config in (halves, whole):
+        target = audit.AuditTarget(config.name, "sm_90a", lambda options, c=config: fc.compile_fwd(c, options))
+        row = audit.audit_target(target, keep_dir=tmp_path)
+        assert row.error is None and not row.spills, (row.error, row.spill_stores, row.spill_loads)
+        assert "instructions are serialized" not in (tmp_path / config.name / "remarks.yaml").read_text()
+        sass = (tmp_path / config.name / "kernel.sass").read_text()
+        hgmma[config.masked_halves] = {n: sass.count(f"HGMMA.64x{n}x16") for n in (64, 128)}
+    assert hgmma[True][64] > hgmma[False][64] and hgmma[True][128] and hgmma[False][128], hgmma
+    if headdim == 128:
+        assert hgmma[False][64] == 0, hgmma

@@ -223,7 +223,8 @@ def test_sm90_fwd_schedule_variants_agree(overlap, pingpong):
     lse = torch.full((2, 4, 777), float("nan"), dtype=torch.float32, device="cuda")
     backend = CuteSm90Backend()
     base = backend.config(q, k, v, lse, args)
-    config = replace(base, intra_wg_overlap=overlap, pingpong=pingpong)
+    # (masked_halves splits the blocks of the overlapped loop only)
+    config = replace(base, intra_wg_overlap=overlap, pingpong=pingpong, masked_halves=base.masked_halves and overlap)
     fn, _ = backend.cache.get(config, backend.arch())
     a = backend.cache.args
     backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
@@ -264,7 +265,8 @@ def test_sm90_fwd_causal_schedules_cover_every_tile(d, seqlen_q, seqlen_k, sched
     lse = torch.full((3, 24, seqlen_q), float("nan"), dtype=torch.float32, device="cuda")
     shipped = backend.config(q, k, v, lse, args)
     assert shipped.tile_counter
-    flags = {"counter": {}, "stride": dict(tile_counter=False), "grid": dict(persistent=False, tile_counter=False)}
+    flags = {"counter": {}, "stride": dict(tile_counter=False), "grid": dict(persistent=False, tile_counter=False,
+                                                                                      masked_halves=False)}
     config = replace(shipped, **flags[schedule])
     fn, _ = backend.cache.get(config, backend.arch())
     a = backend.cache.args
@@ -315,7 +317,7 @@ def test_sm90_fwd_causal_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv,
     q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, dv, dtype)
     args = _args(d, True, softcap=softcap)
     lse = torch.empty(3, 24, seqlen_q, dtype=torch.float32, device="cuda")
-    grid = replace(backend.config(q, k, v, lse, args), persistent=False, tile_counter=False)
+    grid = replace(backend.config(q, k, v, lse, args), persistent=False, tile_counter=False, masked_halves=False)
     results = []
     for config in (replace(grid, cluster_kv=True), grid):
         fn, _ = backend.cache.get(config, backend.arch())

@@ -20,6 +20,8 @@ configuration, several in turn (see below), with `1 + num_consumer_wgs` warpgrou
    together; the softmax of block n-1 runs while P·V is still in flight, and O is rescaled after
    that GEMM is waited for (before the next P·V is issued, with `rescale_o_before_pv`). Ping-pong: named barriers let one warpgroup issue its GEMMs
    while the other one is in its softmax, so the tensor cores and the MUFU unit stay busy.
+   With `masked_halves` a warpgroup whose 64 rows see at most the first half of a masked key
+   block runs its GEMMs over those 64 keys only (`attend_block_halves`).
 3. Epilogue: O / rowsum rounded to the input dtype (round-to-nearest-even) goes to shared
    memory (over the Q tile; a buffer of its own when persistent) by `stmatrix`, then out by one TMA store (clipped at the sequence
    and head-dim ends); varlen batches store with predicated 128-bit copies instead, because a
@@ -69,7 +71,7 @@ them unread.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -98,6 +100,16 @@ BARRIER_EPILOGUE = 1
 BARRIER_PINGPONG = 2
 BARRIER_TILE_FULL = 5
 BARRIER_TILE_EMPTY = 6
+
+
+class MaskedHalves(NamedTuple):
+    """`masked_halves`: a consumer warpgroup's S GEMM over the first half of a key block's keys,
+    and one past the last key its rows see (`FlashFwdSm90.keys_seen`)."""
+    tiled_mma_qk: cute.TiledMma  # m64 n(tile_n / 2)
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor  # the first tile_n / 2 rows of each K slot
+    acc_shape: tuple  # of the half accumulator: the first elements of the full one
+    col_end: Int32
 
 
 def tma_view(mX: cute.Tensor, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
@@ -661,6 +673,9 @@ class FlashFwdSm90(TimelineCounters):
         tSrQ = tiled_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = tiled_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrVt = tiled_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        halves = None
+        if cutlass.const_expr(cfg.masked_halves):
+            halves = self.masked_halves(sQ, sK, wg_idx, mask, m_block)
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
         acc_O.fill(0.0)
         rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), self.dtype)
@@ -714,12 +729,29 @@ class FlashFwdSm90(TimelineCounters):
             n_last = n_block_max - 1
             pipeline_k.consumer_wait(kv)
             acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
-            gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
-            warpgroup.wait_group(0)
-            pipeline_k.consumer_release(kv)
-            self.scores_to_probs(acc_S, n_last, True, True, cfg.causal, cfg.local,
-                                 softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
-            self.probs_to_16bit(acc_S, rP)
+            if cutlass.const_expr(halves is None):
+                gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+                warpgroup.wait_group(0)
+                pipeline_k.consumer_release(kv)
+                self.scores_to_probs(acc_S, n_last, True, True, cfg.causal, cfg.local,
+                                     softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
+                self.probs_to_16bit(acc_S, rP)
+            else:
+                # a warpgroup that sees no key of the first block leaves its softmax as created
+                # (rows at -inf, which the next block's takes as "nothing seen yet")
+                seen = self.keys_seen(halves, n_last)
+                if seen > 0:
+                    if seen > cfg.tile_n // 2:
+                        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+                        warpgroup.wait_group(0)
+                    else:
+                        self.s_half(halves, acc_S, kv.index)
+                    pipeline_k.consumer_release(kv)
+                    self.scores_to_probs(acc_S, n_last, True, True, cfg.causal, cfg.local,
+                                         softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
+                    self.probs_to_16bit(acc_S, rP)
+                else:
+                    pipeline_k.consumer_release(kv)
             if cutlass.const_expr(cfg.seqused_k):
                 self.zero_unused_keys(sV, kv, seqlen.seqlen_k - n_last * cfg.tile_n, ctidx, pipeline_v)
             if cutlass.const_expr(not cfg.intra_wg_overlap):
@@ -734,11 +766,27 @@ class FlashFwdSm90(TimelineCounters):
                 n_right = block_info.n_block_right_masked(seqlen, m_block)
                 n_split = cutlass.max(cutlass.min(n_right, n_last), n_block_min)
             for i in cutlass.range(n_last - n_split, unroll=1):
-                kv = self.attend_block(
-                    kv, n_last - 1 - i, cfg.causal, cfg.local, wg_idx, tiled_mma_qk, tiled_mma_pv,
-                    tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
-                    mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases,
-                )
+                if cutlass.const_expr(cfg.masked_halves):
+                    kv = self.attend_block_halves(
+                        kv, n_last - 1 - i, cfg.causal, cfg.local, wg_idx, tiled_mma_qk, tiled_mma_pv,
+                        tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
+                        mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases, halves,
+                    )
+                else:
+                    kv = self.attend_block(
+                        kv, n_last - 1 - i, cfg.causal, cfg.local, wg_idx, tiled_mma_qk, tiled_mma_pv,
+                        tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
+                        mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases,
+                    )
+            if cutlass.const_expr(cfg.masked_halves):
+                # the first clean block's P·V is that of the last masked block, maybe a half
+                if n_split > n_block_min:
+                    kv = self.attend_block_halves(
+                        kv, n_split - 1, False, False, wg_idx, tiled_mma_qk, tiled_mma_pv,
+                        tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
+                        mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases, halves,
+                    )
+                    n_split -= 1
             for i in cutlass.range(n_split - n_block_min, unroll=1):
                 kv = self.attend_block(
                     kv, n_split - 1 - i, False, False, wg_idx, tiled_mma_qk, tiled_mma_pv,
@@ -752,7 +800,7 @@ class FlashFwdSm90(TimelineCounters):
             if cutlass.const_expr(cfg.intra_wg_overlap):
                 if cutlass.const_expr(cfg.rescale_o_before_pv):
                     self.rescale_O(softmax, acc_O, correction)
-                kv = self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
+                kv = self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v, halves, n_block_min)
             self.stamp(stamps, 3)
 
         self.epilogue(acc_O, softmax, mO, mLSE, tma_O, tma_mO, sO, seqlen, tiled_mma_pv, thr_mma_pv,
@@ -823,6 +871,67 @@ class FlashFwdSm90(TimelineCounters):
         return kv_s
 
     @cute.jit
+    def attend_block_halves(
+        self, kv, n_block, mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr, wg_idx,
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v,
+        softmax: OnlineSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
+        softcap_prescale, phases, halves: MaskedHalves,
+    ):
+        """`attend_block` (overlapped) with `masked_halves`: block n's S and block n + 1's P·V over
+        the keys of theirs this warpgroup sees (`keys_seen`).
+
+        A whole block's S stays in flight while P·V is issued. A block with at most half of its
+        keys seen (or none: its first half is computed and masked) takes the half GEMM into
+        registers of its own, waits for it and copies it over; block n + 1's P·V is then
+        nothing (n + 1 lies past what block n's first half shows). Each path waits for its own S:
+        ptxas keeps the WGMMA pipeline only when every path into a join defines the accumulators
+        the same way (a path without any GEMM here, which would also skip the softmax of a block
+        seen not at all, made it serialize every WGMMA of the kernel).
+        """
+        cfg = self.cfg
+        kv_s = kv.clone()
+        kv_s.advance()
+        tick = self.tick(phases, -1, Int32(0))
+        pipeline_k.consumer_wait(kv_s)
+        tick = self.tick(phases, 0, tick)
+        if cutlass.const_expr(cfg.pingpong):
+            cute.arch.barrier(barrier_id=BARRIER_PINGPONG + wg_idx, number_of_threads=256)
+        tick = self.tick(phases, 1, tick)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
+        if self.keys_seen(halves, n_block) > cfg.tile_n // 2:
+            gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], zero_init=True)
+            pipeline_v.consumer_wait(kv)
+            self.pv_gemm(halves, n_block + 1, tiled_mma_pv, acc_O, tOrP, tOrVt, kv.index)
+            self.pass_turn(wg_idx)
+            warpgroup.wait_group(1)
+        else:
+            self.s_half(halves, acc_S, kv_s.index)
+            pipeline_v.consumer_wait(kv)
+            self.pass_turn(wg_idx)
+        tick = self.tick(phases, 2, tick)  # the issue and S's wait, together
+        tick = self.tick(phases, 3, tick)
+        pipeline_k.consumer_release(kv_s)
+        self.scores_to_probs(acc_S, n_block, False, False, mask_causal, mask_local,
+                             softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
+        tick = self.tick(phases, 4, tick)
+        warpgroup.wait_group(0)  # P·V is done with rP and acc_O
+        pipeline_v.consumer_release(kv)
+        tick = self.tick(phases, 5, tick)
+        self.rescale_O(softmax, acc_O, correction)
+        self.probs_to_16bit(acc_S, rP)
+        tick = self.tick(phases, 6, tick)
+        if cutlass.const_expr(cfg.timeline):
+            phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
+        return kv_s
+
+    @cute.jit
+    def pass_turn(self, wg_idx):
+        """Ping-pong: hand the GEMM-issue turn to the next consumer warpgroup."""
+        if cutlass.const_expr(self.cfg.pingpong):
+            next_wg = (wg_idx + 1) % self.cfg.num_consumer_wgs
+            cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG + next_wg, number_of_threads=256)
+
+    @cute.jit
     def write_timeline(self, stamps, phases, mLSE, seqlen: SeqlenInfo, m_block, head, batch, blocks, ctidx, wg_idx):
         """`timeline`: this tile's record over the LSE of its first 32 query rows, after the
         epilogue (whose barriers order its LSE stores first); none for a tile with fewer rows."""
@@ -878,15 +987,78 @@ class FlashFwdSm90(TimelineCounters):
             cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
 
     @cute.jit
-    def pv_block(self, kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v):
-        """O += P V(kv), waited for; returns the next ring slot."""
+    def pv_block(self, kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v, halves: Optional[MaskedHalves] = None,
+                 n_block=None):
+        """O += P V(kv), waited for (with `halves`, over the keys of block `n_block` this
+        warpgroup sees); returns the next ring slot."""
         pipeline_v.consumer_wait(kv)
-        gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False)
+        self.pv_gemm(halves, n_block, tiled_mma_pv, acc_O, tOrP, tOrVt, kv.index)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(kv)
         kv_next = kv.clone()
         kv_next.advance()
         return kv_next
+
+    @cute.jit
+    def masked_halves(self, sQ, sK, wg_idx, mask: AttentionMask, m_block) -> MaskedHalves:
+        """`masked_halves`: the half-block S GEMM of this warpgroup, and one past the last key its
+        64th row sees (counted whether or not that row lies in the sequence, so that each of its
+        rows, past the end too, masks every key the warpgroup skips)."""
+        cfg = self.cfg
+        half = cfg.tile_n // 2
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (cfg.num_consumer_wgs, 1, 1),
+            (64, half),
+        )
+        wg_mma = tiled_mma.get_slice(wg_idx * 128)
+        sK_half = cute.local_tile(sK, (half, cfg.head_dim, cfg.num_stages), (0, 0, 0))
+        right = 0 if cutlass.const_expr(cfg.causal) else mask.window_right
+        col_end = (m_block * cfg.tile_m + 64 * (wg_idx + 1)) + (mask.seqlen_k - mask.seqlen_q) + right
+        return MaskedHalves(
+            tiled_mma,
+            tiled_mma.make_fragment_A(wg_mma.partition_A(sQ)),
+            tiled_mma.make_fragment_B(wg_mma.partition_B(sK_half)),
+            tiled_mma.get_slice(0).partition_shape_C((cfg.tile_m, half)),
+            cutlass.min(col_end, mask.seqlen_k),
+        )
+
+    @cute.jit
+    def keys_seen(self, halves: MaskedHalves, n_block):
+        """How many keys of block n (from its first on) some row of this warpgroup sees: > tile_n /
+        2 takes the whole block's GEMMs, 1 .. tile_n / 2 the first half's, <= 0 none."""
+        return halves.col_end - n_block * self.cfg.tile_n
+
+    @cute.jit
+    def s_half(self, halves: MaskedHalves, acc_S, stage):
+        """S = Q K(n)ᵀ into acc_S where this warpgroup sees only keys of the first half of block n:
+        the first half's GEMM, waited for (with no other WGMMA group in flight), then -inf over
+        the rest (which the mask hides anyway; acc_S is never left undefined)."""
+        half = cute.size(halves.acc_shape)
+        acc_half = cute.make_rmem_tensor(halves.acc_shape, Float32)
+        gemm(halves.tiled_mma_qk, acc_half, halves.tSrQ, halves.tSrK[None, None, None, stage], zero_init=True)
+        warpgroup.wait_group(0)
+        # the first elements of a compact accumulator are the first columns (`MaskedHalves`)
+        for i in cutlass.range_constexpr(half):
+            acc_S[i] = acc_half[i]
+        for i in cutlass.range_constexpr(half, cute.size(acc_S)):
+            acc_S[i] = -Float32.inf
+
+    @cute.jit
+    def pv_gemm(self, halves: Optional[MaskedHalves], n_block, tiled_mma_pv, acc_O, tOrP, tOrVt, stage):
+        """Issue O += P V(n) as one WGMMA group; with `halves`, over the keys of block n this
+        warpgroup sees (P is 0 on the others), an empty group when it sees none."""
+        if cutlass.const_expr(halves is None):
+            gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], zero_init=False)
+        else:
+            seen = self.keys_seen(halves, n_block)
+            if seen > self.cfg.tile_n // 2:
+                gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], zero_init=False)
+            else:
+                if seen > 0:
+                    gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], zero_init=False,
+                         k_blocks=cute.size(tOrP, mode=[2]) // 2)
+                else:
+                    warpgroup.commit_group()
 
     @cute.jit
     def scores_to_probs(

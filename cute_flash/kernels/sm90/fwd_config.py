@@ -58,6 +58,23 @@ eager, 435 lazy): eager ran 0.1-2.5 % faster in 11 of 12 cells of two runs (32 h
 8 x 2048 and 1 x 16384, causal and not, five interleaved rounds each; e.g. 1 x 16384 540.4
 against 527.3 TFLOP/s, 8 x 2048 477.5 against 470.1; one causal cell 0.6 % behind), so hd 64
 rescales eagerly.
+
+`masked_halves` (causal calls on 128-key blocks in the persistent loop: head dims 64 and 128,
+but not on one CTA per tile -- head dim 64 with softcap, the causal K/V clusters -- where ptxas
+serialized the WGMMAs with it; a window's right edge can take it too, `local=True`, untimed): each
+consumer warpgroup owns 64 query rows, so on the diagonal it may see only the first half of a key
+block, or none of it, while the CTA's other rows see all of it. Such a warpgroup runs that block's
+S = Q Kᵀ as a 64-key GEMM and its P·V over those 64 keys (k blocks 0-3 of 8), and when it sees no
+key of the first block it skips the block's GEMMs and softmax. Of the warpgroup-blocks computed
+at 2k keys that is 2.9% of the GEMM work at head dim 128 (128 x 128 tiles: the first half of each
+query block's diagonal) and 7.6% at 64 (192 x 128: 5.0% of the blocks are not seen at all);
+10% / 18.5% at 512. On an H200 (bf16, causal, `benchmarks/ab_sm90_fwd.py --variants whole
+--rounds 3`, 16k tokens, medians, TFLOP/s, against the same kernel without it): hd64 32 x 512
+217.2 against 202.4, 16 x 1024 298.4 against 280.5, 4 x 4096 450.8 against 438.8; hd128 321.2
+against 317.6, 435.8 against 428.6, 582.6 against 577.3. An earlier form without the skip of
+unseen first blocks measured level at 8 x 2048 (hd64 390.2 / 392.6, hd128 535.3 / 530.4) and
+2 x 8192 (499.0 / 496.8, 624.2 / 624.8; hd128 there on the causal K/V clusters, serialized by
+ptxas then).
 """
 
 from __future__ import annotations
@@ -150,6 +167,12 @@ class Sm90FwdConfig:
     # hd64 8 x 2048 median 386.5 against 381.4 (5 rounds), hd96 2 x 8192 532-542 against 528-533
     # (3 rounds), hd128 level (8 x 2048 519.1 / 519.8, 2 x 8192 598.2 / 604.2, 5 rounds).
     mask_bits: bool = True
+    # With a causal mask (or a window): a consumer warpgroup whose 64 rows see none of the second
+    # half of a key block's keys (the diagonal's, the window's right edge, the key tail) issues
+    # that block's S = Q Kᵀ and P·V over its first 64 keys only, and none at all for a block
+    # they see no key of (`FlashFwdSm90.keys_seen`); the mask hides those scores anyway. On
+    # 128-key blocks with the intra-warpgroup overlap.
+    masked_halves: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -168,6 +191,11 @@ class Sm90FwdConfig:
             raise ValueError("pingpong orders the overlapped GEMM issue; it needs intra_wg_overlap")
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             raise ValueError("rescale_o_before_pv moves the rescale of the overlapped loop; it needs intra_wg_overlap")
+        if self.masked_halves and not (self.tile_n == 128 and self.intra_wg_overlap and not self.rescale_o_before_pv
+                                       and (self.causal or self.local) and self.persistent):
+            raise ValueError("masked_halves splits masked 128-key blocks of the overlapped persistent loop: it needs "
+                             "tile_n 128, persistent, intra_wg_overlap without rescale_o_before_pv, and a causal mask "
+                             "or a window")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16 (the k of P·V); got {self.tile_n}")
         if self.smem_bytes > SMEM_LIMIT:
@@ -210,6 +238,8 @@ class Sm90FwdConfig:
     @property
     def name(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k") if getattr(self, f)]
+        if self.masked_halves:
+            flags.append("halves")
         if not self.has_lse:
             flags.append("nolse")
         if not self.intra_wg_overlap:
@@ -265,6 +295,12 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     flags.setdefault("persistent", tile.persistent and not spills_persistent)
     flags.setdefault("lazy_rescale", tile.lazy_rescale)
     flags.setdefault("tile_counter", flags["persistent"] and causal)
+    # half blocks on 128-key tiles, in the persistent loop: on one CTA per tile (head dim 64 with
+    # softcap, the causal K/V clusters, the grid variant) ptxas serialized the WGMMAs with them.
+    # Causal calls only: a window's right edge takes them too (and passes the GPU tests with
+    # them), but windowed calls were not timed with them.
+    flags.setdefault("masked_halves", causal and tile.tile_n == 128 and flags.get("intra_wg_overlap", True)
+                     and flags["persistent"])
     return Sm90FwdConfig(
         dtype=dtype,
         head_dim=hd,
@@ -314,8 +350,8 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
 def _clustered(config: Sm90FwdConfig) -> Sm90FwdConfig:
     """`config` with `cluster_kv` (a causal one on one CTA per tile), built once per configuration
     (a call asks for it every time)."""
-    if config.causal:
-        return replace(config, persistent=False, tile_counter=False, cluster_kv=True)
+    if config.causal:  # (the half blocks are the persistent loop's)
+        return replace(config, persistent=False, tile_counter=False, cluster_kv=True, masked_halves=False)
     return replace(config, cluster_kv=True)
 
 
@@ -355,6 +391,10 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", d, d, causal=True, tile_counter=False) for d in (64, 128)]
     # causal masks by a comparison per element instead of bit masks, for A/B
     configs += [make_config("bfloat16", d, d, causal=True, mask_bits=False) for d in (64, 128)]
+    # every masked block's GEMMs over all of its keys (`masked_halves` off), for A/B, and the half
+    # blocks on a window's right edge (not taken by default: untimed)
+    configs += [make_config("bfloat16", d, d, causal=True, masked_halves=False) for d in (64, 128)]
+    configs += [make_config("bfloat16", d, d, local=True, masked_halves=True) for d in (64, 128)]
     # the K/V-sharing clusters of unmasked calls with an even number of query blocks
     configs += [replace(make_config(dtype, d, d), cluster_kv=True) for d in (64, 96, 128, 192) for dtype in DTYPES]
     configs += [with_cluster_kv(make_config(dtype, d, d, causal=True), CAUSAL_CLUSTER_MIN_BLOCKS)

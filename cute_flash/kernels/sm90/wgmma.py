@@ -41,15 +41,18 @@ def gemm(
     tCrA: cute.Tensor,
     tCrB: cute.Tensor,
     zero_init: cutlass.Constexpr[bool],
+    k_blocks: cutlass.Constexpr = None,
 ):
-    """Issue acc (+)= A B over every k block as one WGMMA group (commit, no wait)."""
-    gemm_accumulate_if(tiled_mma, acc, tCrA, tCrB, not zero_init)
+    """Issue acc (+)= A B over every k block (the first `k_blocks` where given) as one WGMMA
+    group (commit, no wait)."""
+    gemm_accumulate_if(tiled_mma, acc, tCrA, tCrB, not zero_init, k_blocks)
 
 
 @cute.jit
-def gemm_accumulate_if(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, accumulate):
+def gemm_accumulate_if(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, accumulate,
+                       k_blocks: cutlass.Constexpr = None):
     """Issue acc = A B (+ acc where `accumulate`, which may be a run-time Boolean) over every k
-    block as one WGMMA group (commit, no wait).
+    block (the first `k_blocks` where given) as one WGMMA group (commit, no wait).
 
     A run-time flag lets an accumulator that lives across a loop start from its first GEMM
     instead of a zero fill, whose constants the compiler may hoist ahead of the warp-role branch
@@ -59,7 +62,7 @@ def gemm_accumulate_if(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Te
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, accumulate)
     warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+    for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2]) if k_blocks is None else k_blocks):
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
