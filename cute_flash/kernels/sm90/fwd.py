@@ -827,16 +827,7 @@ class FlashFwdSm90(TimelineCounters):
         flight. Without it, block n is done start to end: S, softmax, P·V.
         """
         cfg = self.cfg
-        kv_s = kv
-        if cutlass.const_expr(cfg.intra_wg_overlap):
-            kv_s = kv.clone()
-            kv_s.advance()
-        tick = self.tick(phases, -1, Int32(0))
-        pipeline_k.consumer_wait(kv_s)
-        tick = self.tick(phases, 0, tick)
-        if cutlass.const_expr(cfg.pingpong):
-            cute.arch.barrier(barrier_id=BARRIER_PINGPONG + wg_idx, number_of_threads=256)
-        tick = self.tick(phases, 1, tick)
+        kv_s, tick = self.take_turn(kv, pipeline_k, wg_idx, phases)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
         gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], zero_init=True)
         if cutlass.const_expr(cfg.rescale_o_before_pv):
@@ -889,14 +880,7 @@ class FlashFwdSm90(TimelineCounters):
         seen not at all, made it serialize every WGMMA of the kernel).
         """
         cfg = self.cfg
-        kv_s = kv.clone()
-        kv_s.advance()
-        tick = self.tick(phases, -1, Int32(0))
-        pipeline_k.consumer_wait(kv_s)
-        tick = self.tick(phases, 0, tick)
-        if cutlass.const_expr(cfg.pingpong):
-            cute.arch.barrier(barrier_id=BARRIER_PINGPONG + wg_idx, number_of_threads=256)
-        tick = self.tick(phases, 1, tick)
+        kv_s, tick = self.take_turn(kv, pipeline_k, wg_idx, phases)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
         if self.keys_seen(halves, n_block) > cfg.tile_n // 2:
             gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], zero_init=True)
@@ -923,6 +907,23 @@ class FlashFwdSm90(TimelineCounters):
         if cutlass.const_expr(cfg.timeline):
             phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
         return kv_s
+
+    @cute.jit
+    def take_turn(self, kv, pipeline_k, wg_idx, phases):
+        """The start of a key block: the ring slot of its K (the one after `kv` with the
+        intra-warpgroup overlap), waited for, then the ping-pong's GEMM-issue turn; returns the
+        slot and the `timeline` clock."""
+        kv_s = kv
+        if cutlass.const_expr(self.cfg.intra_wg_overlap):
+            kv_s = kv.clone()
+            kv_s.advance()
+        tick = self.tick(phases, -1, Int32(0))
+        pipeline_k.consumer_wait(kv_s)
+        tick = self.tick(phases, 0, tick)
+        if cutlass.const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=BARRIER_PINGPONG + wg_idx, number_of_threads=256)
+        tick = self.tick(phases, 1, tick)
+        return kv_s, tick
 
     @cute.jit
     def pass_turn(self, wg_idx):
