@@ -73,8 +73,8 @@ query block's diagonal) and 7.6% at 64 (192 x 128: 5.0% of the blocks are not se
 217.2 against 202.4, 16 x 1024 298.4 against 280.5, 4 x 4096 450.8 against 438.8; hd128 321.2
 against 317.6, 435.8 against 428.6, 582.6 against 577.3. An earlier form without the skip of
 unseen first blocks measured level at 8 x 2048 (hd64 390.2 / 392.6, hd128 535.3 / 530.4) and
-2 x 8192 (499.0 / 496.8, 624.2 / 624.8; hd128 there on the causal K/V clusters, serialized by
-ptxas then).
+2 x 8192 (499.0 / 496.8, 624.2 / 624.8; hd128 there on the causal K/V clusters, which do not
+take it now).
 """
 
 from __future__ import annotations
