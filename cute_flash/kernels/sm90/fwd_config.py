@@ -169,9 +169,9 @@ class Sm90FwdConfig:
     mask_bits: bool = True
     # With a causal mask (or a window): a consumer warpgroup whose 64 rows see none of the second
     # half of a key block's keys (the diagonal's, the window's right edge, the key tail) issues
-    # that block's S = Q Kᵀ and P·V over its first 64 keys only, and none at all for a block
-    # they see no key of (`FlashFwdSm90.keys_seen`); the mask hides those scores anyway. On
-    # 128-key blocks with the intra-warpgroup overlap.
+    # that block's S = Q Kᵀ and P·V over its first 64 keys only, and nothing, softmax included,
+    # for a first block they see no key of (`FlashFwdSm90.keys_seen`); the mask hides those
+    # scores anyway. On 128-key blocks of the persistent loop with the intra-warpgroup overlap.
     masked_halves: bool = False
 
     def __post_init__(self):
