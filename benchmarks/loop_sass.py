@@ -9,7 +9,8 @@ configuration (`make_config`, without the K/V clusters), and with `--fa4` flash-
 (FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, FLASH_ATTENTION_NUM_SMS; set before the DSL is imported,
 so run it as a script of its own). The key-block loop is the
 smallest loop of the SASS (a branch back to an earlier label) that holds one key block's GEMMs,
-S = Q K^T and O += P V: head_dim / 16 + tile_n / 16 HGMMAs. Printed: the loop's instruction
+S = Q K^T and O += P V: exactly head_dim / 16 + tile_n / 16 HGMMAs (the causal loop over the
+diagonal's blocks with `masked_halves` holds the 64-key GEMMs as well, so it is not the one). Printed: the loop's instruction
 count and opcode mix, and the instructions of one trip around it along each path through it
 (a branch inside it, such as the lazy rescale's skip of O's FMULs, makes two): what one warp
 issues per key block. Both kernels' tiles are the same at head dims 64 and 128.
@@ -50,13 +51,14 @@ def instructions(sass: str) -> tuple[list, dict]:
 
 
 def _loop_span(insts: list, labels: dict, gemm_instructions: int) -> tuple[int, int]:
-    """(first, last) instruction of the smallest loop holding `gemm_instructions` HGMMAs."""
+    """(first, last) instruction of the smallest loop holding exactly `gemm_instructions` HGMMAs (a
+    loop with more holds other GEMM variants too, such as `masked_halves`' 64-key ones)."""
     loops = []
     for end, inst in enumerate(insts):
         m = _BRANCH.search(inst)
         start = labels.get(m.group(1)) if m else None
         if start is not None and start <= end:
-            if sum("HGMMA" in x for x in insts[start:end + 1]) >= gemm_instructions:
+            if sum("HGMMA" in x for x in insts[start:end + 1]) == gemm_instructions:
                 loops.append((end - start, start, end))
     if not loops:
         raise ValueError(f"no loop with {gemm_instructions} HGMMAs in the SASS")
@@ -65,7 +67,7 @@ def _loop_span(insts: list, labels: dict, gemm_instructions: int) -> tuple[int, 
 
 
 def key_block_loop(sass: str, gemm_instructions: int) -> list:
-    """The smallest loop holding at least `gemm_instructions` HGMMAs: its instructions, every
+    """The smallest loop holding exactly `gemm_instructions` HGMMAs: its instructions, every
     path through it included (see `path_lengths`)."""
     return analyse(sass, gemm_instructions)[0]
 
