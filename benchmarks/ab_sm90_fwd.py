@@ -73,13 +73,13 @@ HEADS = {64: 32, 96: 16, 128: 16, 192: 8, 256: 16}
 def variants(head_dim: int, causal: bool, only=None) -> list:
     """(label, config) of the cute variants of one case, the shipped one first; `only`: the labels
     to keep besides the shipped one (all where None)."""
-    from cute_flash.kernels.sm90.fwd_config import TILES, make_config
+    from cute_flash.kernels.sm90.fwd_config import TILES, make_config, on_grid
 
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
     rescale = ("lazy", "eager") if shipped.lazy_rescale else ("eager", "lazy")
     out = [(rescale[0], shipped), (rescale[1], replace(shipped, lazy_rescale=not shipped.lazy_rescale))]
     if shipped.persistent:  # the one-tile-per-CTA grid
-        out += [("grid", replace(shipped, persistent=False, tile_counter=False, masked_halves=False))]
+        out += [("grid", on_grid(shipped))]
     elif TILES[head_dim].persistent:  # persistent CTAs where the call does not ship them
         out += [("persist", replace(shipped, persistent=True))]
     if shipped.tile_counter:  # persistent CTAs taking the tiles by a fixed stride
@@ -98,8 +98,7 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if head_dim == 192:  # wider key blocks (fewer on the causal diagonal)
         out += [(f"n{n}", replace(shipped, tile_n=n)) for n in (112, 128) if _fits(shipped, tile_n=n)]
     if head_dim in (128, 192) and causal:  # causal K/V clusters on the one-CTA-per-tile grid
-        out += [("cluster grid", replace(shipped, persistent=False, tile_counter=False, cluster_kv=True,
-                                         masked_halves=False))]
+        out += [("cluster grid", replace(on_grid(shipped), cluster_kv=True))]
     if head_dim in (128, 192) and shipped.pairs_query_blocks:
         # the K/V clusters that calls with an even number of query blocks take
         out += [("cluster", replace(shipped, cluster_kv=True))]

@@ -19,6 +19,7 @@ from attention_oracle import (
     run_forward, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
+from cute_flash.kernels.sm90.fwd_config import on_grid
 
 pytestmark = pytest.mark.gpu
 
@@ -317,7 +318,7 @@ def test_sm90_fwd_causal_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv,
     q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, dv, dtype)
     args = _args(d, True, softcap=softcap)
     lse = torch.empty(3, 24, seqlen_q, dtype=torch.float32, device="cuda")
-    grid = replace(backend.config(q, k, v, lse, args), persistent=False, tile_counter=False, masked_halves=False)
+    grid = on_grid(backend.config(q, k, v, lse, args))
     results = []
     for config in (replace(grid, cluster_kv=True), grid):
         fn, _ = backend.cache.get(config, backend.arch())

@@ -346,12 +346,18 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     return config
 
 
+def on_grid(config: Sm90FwdConfig) -> Sm90FwdConfig:
+    """`config` on one CTA per tile: without the persistent loop, and so without its tile counter
+    and its half blocks (`masked_halves`)."""
+    return replace(config, persistent=False, tile_counter=False, masked_halves=False)
+
+
 @functools.lru_cache(maxsize=256)
 def _clustered(config: Sm90FwdConfig) -> Sm90FwdConfig:
     """`config` with `cluster_kv` (a causal one on one CTA per tile), built once per configuration
     (a call asks for it every time)."""
-    if config.causal:  # (the half blocks are the persistent loop's)
-        return replace(config, persistent=False, tile_counter=False, cluster_kv=True, masked_halves=False)
+    if config.causal:
+        return replace(on_grid(config), cluster_kv=True)
     return replace(config, cluster_kv=True)
 
 
