@@ -31,6 +31,10 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   takes where a call has an even number of query blocks;
 * at head dim 96: `128x128` (two consumer warpgroups on 128 x 128, its tile before the three
   warpgroups of 192 rows) and `n96` (96 keys per block);
+* at head dims 64 and 96: `psmem` (`p_in_smem`: P·V reads P from shared memory) on the shipped
+  tile and on wider key blocks (`n128`, `n144` at 96; `n192` at 64), with the half
+  blocks where a causal call's blocks are 128 keys wide, on one CTA per tile (`grid`) where the
+  persistent loop's shared memory does not fit;
 * the other schedules where the tile table allows persistence (head dims 64 and 128): `grid`
   (`persistent=False`: one CTA per tile) where the shipped configuration is persistent,
   `persist` (`persistent=True`: one CTA per SM walking the tiles) where it is not, and, with a
@@ -105,6 +109,16 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if head_dim == 96:  # the 128-row tile of two warpgroups, and 96 keys per block
         out += [("128x128", replace(shipped, tile_m=128, num_consumer_wgs=2, tile_n=128)),
                 ("n96", replace(shipped, tile_n=96))]
+    if head_dim in (64, 96):  # P from shared memory, on the same tile and on wider key blocks
+        for n in (shipped.tile_n,) + ((128, 144) if head_dim == 96 else (192,)):
+            if n != shipped.tile_n and n == 128 and causal and shipped.persistent:
+                out += [("n128 psmem halves", replace(shipped, tile_n=128, p_in_smem=True, masked_halves=True))]
+            elif _fits(shipped, tile_n=n, p_in_smem=True, masked_halves=shipped.masked_halves and n == 128):
+                label = "psmem" if n == shipped.tile_n else f"n{n} psmem"
+                out += [(label, replace(shipped, tile_n=n, p_in_smem=True,
+                                        masked_halves=shipped.masked_halves and n == 128))]
+            elif _fits(on_grid(shipped), tile_n=n, p_in_smem=True):
+                out += [(f"n{n} psmem grid", replace(on_grid(shipped), tile_n=n, p_in_smem=True))]
     return out if only is None else out[:1] + [(label, c) for label, c in out[1:] if label in only]
 
 

@@ -6,8 +6,9 @@
 A candidate is `MxN` + `wW` (sm_90a: consumer warpgroups; sm_80: warps) + `sS` (K/V stages),
 with `-nopp` to turn the sm_90 ping-pong off, `-lazy` / `-eager` to turn the lazy rescale
 on / off and `-grid` to run an sm_90 tile as one CTA per tile instead of persistent (Q and O then
-share shared memory, which leaves room for a third K/V stage at head dim 128), e.g.
-`128x176w2s2`, `192x128w3s2-nopp`, `128x64w4s2-eager`, `128x128w2s3-grid`. Every candidate is built
+share shared memory, which leaves room for a third K/V stage at head dim 128) and `-psmem` to
+feed P·V its P from shared memory (`p_in_smem`), e.g. `128x176w2s2`, `192x128w3s2-nopp`,
+`128x64w4s2-eager`, `128x128w2s3-grid`, `192x128w3s2-psmem`. Every candidate is built
 from the shipped configuration of the head dim, dtype and mask, with only its tile fields (and
 those flags) replaced, so it differs from the shipped kernel in those alone. The shipped tile is
 always measured too, as the baseline.
@@ -32,23 +33,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(-nopp)?(-lazy|-eager)?(-grid)?$")
+_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(-nopp)?(-lazy|-eager)?(-grid)?(-psmem)?$")
 
 
 def parse_candidate(spec: str, arch: str) -> dict:
-    """`128x176w2s2[-nopp][-lazy|-eager][-grid]` -> the config fields it sets."""
+    """`128x176w2s2[-nopp][-lazy|-eager][-grid][-psmem]` -> the config fields it sets."""
     m = _SPEC.match(spec.strip())
     if not m:
-        raise ValueError(f"candidate {spec!r} is not MxNwWsS[-nopp][-lazy|-eager][-grid] (e.g. 128x176w2s2)")
+        raise ValueError(f"candidate {spec!r} is not MxNwWsS[-nopp][-lazy|-eager][-grid][-psmem] (e.g. 128x176w2s2)")
     tile_m, tile_n, workers, stages = (int(g) for g in m.groups()[:4])
     fields = dict(tile_m=tile_m, tile_n=tile_n, num_stages=stages)
     if arch == "sm_90a":
         fields.update(num_consumer_wgs=workers, pingpong=not m.group(5))
         if m.group(7):
             fields.update(persistent=False, tile_counter=False, masked_halves=False)
+        if m.group(8):
+            fields.update(p_in_smem=True)
     else:
-        if m.group(5) or m.group(7):
-            raise ValueError("-nopp and -grid are sm_90a options")
+        if m.group(5) or m.group(7) or m.group(8):
+            raise ValueError("-nopp, -grid and -psmem are sm_90a options")
         fields.update(num_warps=workers)
     if m.group(6):
         fields.update(lazy_rescale=m.group(6) == "-lazy")

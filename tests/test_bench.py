@@ -383,6 +383,10 @@ def test_tile_candidates_parse_and_replace_only_the_tile():
     assert grid["persistent"] is False and grid["tile_counter"] is False and grid["num_stages"] == 3
     with pytest.raises(ValueError, match="sm_90a options"):
         tune_tiles.parse_candidate("128x64w4s2-grid", "sm_80")
+    assert tune_tiles.parse_candidate("192x128w3s2-grid-psmem", "sm_90a")["p_in_smem"] is True
+    assert "p_in_smem" not in tune_tiles.parse_candidate("192x128w3s2", "sm_90a")
+    with pytest.raises(ValueError, match="sm_90a options"):
+        tune_tiles.parse_candidate("128x64w4s2-psmem", "sm_80")
     with pytest.raises(ValueError, match="MxNwWsS"):
         tune_tiles.parse_candidate("128by64", "sm_80")
     args = argparse.Namespace(
@@ -456,6 +460,9 @@ def test_ab_sm90_fwd_times_distinct_schedules(head_dim, causal):
     assert ("stride" in labels) == configs[0].tile_counter
     if head_dim == 192:
         assert configs[0].pingpong and "no pingpong" in labels
+    psmem = [config for label, config in variants if "psmem" in label]
+    assert bool(psmem) == (head_dim in (64, 96)) and all(config.p_in_smem for config in psmem)
+    assert not any(config.p_in_smem for label, config in variants if "psmem" not in label)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -290,3 +290,48 @@ def test_sm90_masked_halves_issue_64_key_gemms_without_serializing(headdim, tmp_
     assert hgmma[True][64] > hgmma[False][64] and hgmma[True][128] and hgmma[False][128], hgmma
     if headdim == 128:
         assert hgmma[False][64] == 0, hgmma
+
+
+def test_sm90_p_in_smem_is_opt_in_and_counts_its_shared_memory():
+    """`p_in_smem` is an A/B option (`make_config` never sets it) whose P slot counts towards the
+    227 KB: 192 x 128 fits at head dim 96 with Q and O apart, 192 x 144 only on one CTA per tile."""
+    for headdim in fc.TILE_HEADDIMS:
+        for causal in (False, True):
+            assert not fc.make_config("bfloat16", headdim, headdim, causal=causal).p_in_smem
+    base = fc.make_config("bfloat16", 96, 96, causal=True)
+    wide = replace(base, tile_n=128, p_in_smem=True, masked_halves=True)
+    assert wide.smem_bytes - replace(wide, p_in_smem=False).smem_bytes == 2 * 192 * 128
+    assert wide.name.endswith("_psmem") and wide.smem_bytes <= fc.SMEM_LIMIT
+    with pytest.raises(ValueError, match="shared memory"):
+        replace(base, tile_n=144, p_in_smem=True)
+    replace(fc.on_grid(base), tile_n=144, p_in_smem=True)
+
+
+@pytest.mark.parametrize("headdim,tile_n,causal", [(96, 128, True), (64, 192, False)])
+def test_sm90_p_in_smem_feeds_p_v_from_shared_memory_without_spills(headdim, tile_n, causal, tmp_path):
+    """With `p_in_smem` every P·V HGMMA reads both operands through descriptors (the shipped
+    kernel's take P from registers), P reaches shared memory by stmatrix, and the wider key
+    blocks it makes room for on 160 registers compile without spills or serialized WGMMAs (head
+    dim 96 with the half blocks; 192 x 128 with P in registers spills there)."""
+    import re
+
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    shipped = fc.make_config("bfloat16", headdim, headdim, causal=causal)
+    psmem = replace(shipped, tile_n=tile_n, p_in_smem=True,
+                    masked_halves=shipped.persistent and causal and tile_n == 128)
+    a_operands = {}
+    for config in (shipped, psmem):
+        target = audit.AuditTarget(config.name, "sm_90a", lambda options, c=config: fc.compile_fwd(c, options))
+        row = audit.audit_target(target, keep_dir=tmp_path)
+        assert row.error is None and not row.spills, (row.error, row.spill_stores, row.spill_loads)
+        assert "instructions are serialized" not in (tmp_path / config.name / "remarks.yaml").read_text()
+        sass = (tmp_path / config.name / "kernel.sass").read_text()
+        # P·V's N is the head dim; S = Q Kᵀ's is tile_n (never equal to it here)
+        a_operands[config.p_in_smem] = re.findall(rf"HGMMA\.64x{headdim}x16\.F32\.BF16 R\d+, (\w+)", sass)
+        if config.p_in_smem:
+            assert sass.count("STSM") > (tmp_path / shipped.name / "kernel.sass").read_text().count("STSM")
+    assert a_operands[False] and all(a.startswith("R") for a in a_operands[False]), a_operands[False]
+    assert a_operands[True] and all(a == "gdesc" for a in a_operands[True]), a_operands[True]

@@ -233,6 +233,34 @@ def test_sm90_fwd_schedule_variants_agree(overlap, pingpong):
     check_forward(out, lse, q, k, v, args)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1001, 333), (1023, 1024), (2304, 2048)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,tile_n,grid", [(64, 128, False), (64, 192, False), (96, 112, False), (96, 128, False),
+                                           (96, 144, True), (128, 128, False)])
+def test_sm90_fwd_p_in_smem_matches_oracle(d, tile_n, grid, causal, seqlen_q, seqlen_k):
+    """`p_in_smem` (P·V reading P from shared memory, each warpgroup's slot reused every key
+    block) on the shipped tiles and on the wider key blocks it makes room for, persistent or one
+    CTA per tile, with the half blocks where a causal call's blocks are 128 keys wide; rows that
+    see no key (1001 x 333 causal) and key tails included. Outputs start as NaN."""
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    torch.manual_seed(d + tile_n + seqlen_q)
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, 4, 2, d, d, torch.bfloat16)
+    args = _args(d, causal)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 4, seqlen_q), float("nan"), dtype=torch.float32, device="cuda")
+    backend = backend_or_skip(CuteSm90Backend)
+    base = backend.config(q, k, v, lse, args)
+    if grid:
+        base = on_grid(base)
+    config = replace(base, tile_n=tile_n, p_in_smem=True, masked_halves=base.persistent and causal and tile_n == 128)
+    fn, _ = backend.cache.get(config, backend.arch())
+    a = backend.cache.args
+    backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
+    torch.cuda.synchronize()
+    check_forward(out, lse, q, k, v, args)
+
+
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("growing_max", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024), (1001, 333), (4224, 4224)])

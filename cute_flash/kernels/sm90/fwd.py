@@ -112,6 +112,13 @@ class MaskedHalves(NamedTuple):
     col_end: Int32
 
 
+class ProbsInSmem(NamedTuple):
+    """`p_in_smem`: a thread's 16-bit P and where it goes in its warpgroup's rows of sP."""
+    regs: cute.Tensor  # shaped like the S accumulator
+    copy: cute.TiledCopy  # stmatrix, sliced for the thread
+    dst: cute.Tensor  # the thread's part of sP
+
+
 def tma_view(mX: cute.Tensor, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
     """(b, s, h, d) -> (s, d, h, b), or varlen (total, h, d) -> (total, d, h): the tiled modes
     (tokens, head dim) first, as TMA tiles the leading modes of its tensor."""
@@ -186,6 +193,9 @@ class FlashFwdSm90(TimelineCounters):
         sK_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
         sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v, cfg.num_stages)
         sO_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.head_dim_v)
+        # `p_in_smem`: P (tile_m, tile_n) as the K-major A operand of P·V, 64 rows per warpgroup
+        sP_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.tile_n)
+        sP_elems = cute.cosize(sP_layout) if cutlass.const_expr(cfg.p_in_smem) else 0
         # O is staged over Q once every consumer is done with Q; the region holds either. A
         # persistent CTA loads the next tile's Q during this tile's epilogue: O has its own.
         if cutlass.const_expr(cfg.persistent):
@@ -203,6 +213,7 @@ class FlashFwdSm90(TimelineCounters):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_elems], 1024]
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
@@ -230,10 +241,11 @@ class FlashFwdSm90(TimelineCounters):
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_major, K_major, Float32, wgs, (64, cfg.tile_n)
         )
-        # V is stored with the head dim contiguous: the MN-major B operand of P·V.
+        # V is stored with the head dim contiguous: the MN-major B operand of P·V, whose P comes
+        # from registers (or, `p_in_smem`, from shared memory).
+        p_source = warpgroup.OperandSource.SMEM if cutlass.const_expr(cfg.p_in_smem) else warpgroup.OperandSource.RMEM
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim_v),
-            a_source=warpgroup.OperandSource.RMEM,
+            self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim_v), a_source=p_source,
         )
 
         num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
@@ -246,7 +258,7 @@ class FlashFwdSm90(TimelineCounters):
             tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO,
             softmax_scale_log2, softcap_prescale, window_left, window_right,
             num_m_blocks, num_batch, heads_per_section, mTileCounter,
-            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
+            sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
             grid=grid,
             block=[cfg.num_threads, 1, 1],
@@ -289,6 +301,7 @@ class FlashFwdSm90(TimelineCounters):
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -335,12 +348,15 @@ class FlashFwdSm90(TimelineCounters):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sP = None
+        if cutlass.const_expr(cfg.p_in_smem):
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
 
         if cutlass.const_expr(cfg.persistent):
             pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_size, 1))
             self.run_persistent(
                 tidx, warp_idx, mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
-                tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO,
+                tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO, sP,
                 pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
                 softmax_scale_log2, softcap_prescale, window_left, window_right,
                 num_m_blocks, num_batch, heads_per_section, mTileCounter, storage.next_tile.get_tensor((1,)),
@@ -389,7 +405,7 @@ class FlashFwdSm90(TimelineCounters):
                     mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff,
                                          window_right_eff, cfg.mask_bits)
                     self.consume(
-                        ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
+                        ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO, sP,
                         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
                         seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
                         softmax_scale_log2, softcap_prescale,
@@ -444,7 +460,7 @@ class FlashFwdSm90(TimelineCounters):
     @cute.jit
     def run_persistent(
         self, tidx, warp_idx, mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
-        tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO,
+        tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO, sP,
         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
         softmax_scale_log2, softcap_prescale, window_left, window_right,
         num_m_blocks, num_batch, heads_per_section, mTileCounter, sNextTile,
@@ -498,7 +514,7 @@ class FlashFwdSm90(TimelineCounters):
                     cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG, number_of_threads=256)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-            consume_args = (ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
+            consume_args = (ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO, sP,
                             pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv)
             if cutlass.const_expr(cfg.tile_counter):
                 tile = first_tile
@@ -648,7 +664,7 @@ class FlashFwdSm90(TimelineCounters):
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO,
+        self, ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO, sP,
         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         seqlen: SeqlenInfo, block_info: BlockInfo, mask: AttentionMask, m_block, head, batch,
         n_block_min, n_block_max, softmax_scale_log2, softcap_prescale, states=None, n_walk_max=None,
@@ -679,7 +695,15 @@ class FlashFwdSm90(TimelineCounters):
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
         acc_O.fill(0.0)
         rP = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), self.dtype)
-        tOrP = probs_as_operand_a(rP, thr_mma_pv, (cfg.tile_m, cfg.tile_n))
+        if cutlass.const_expr(cfg.p_in_smem):
+            # P·V reads this warpgroup's rows of sP; `probs_to_16bit` stores rP there
+            tOrP = tiled_mma_pv.make_fragment_A(wg_mma_pv.partition_A(sP))
+            stsm_P = cute.make_tiled_copy_C(
+                cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma_qk
+            ).get_slice(ctidx)
+            rP = ProbsInSmem(rP, stsm_P, stsm_P.partition_D(sP))
+        else:
+            tOrP = probs_as_operand_a(rP, thr_mma_pv, (cfg.tile_m, cfg.tile_n))
         cS = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
         tScS_mn = acc_mn_view(acc_as_mma_sync(thr_mma_qk.partition_C(cS)))
         # thread 0's coordinates: compile-time constants for the mask's comparisons
@@ -851,9 +875,10 @@ class FlashFwdSm90(TimelineCounters):
             warpgroup.wait_group(0)  # P·V is done with rP and acc_O
             pipeline_v.consumer_release(kv)
         tick = self.tick(phases, 5, tick)
-        if cutlass.const_expr(not cfg.rescale_o_before_pv):
-            self.rescale_O(softmax, acc_O, correction)
-        self.probs_to_16bit(acc_S, rP)
+        if cutlass.const_expr(cfg.rescale_o_before_pv):
+            self.probs_to_16bit(acc_S, rP)
+        else:
+            self.rescale_O_and_store_P(softmax, acc_O, correction, acc_S, rP)
         if cutlass.const_expr(not cfg.intra_wg_overlap):
             kv_s = self.pv_block(kv_s, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
         tick = self.tick(phases, 6, tick)
@@ -901,8 +926,7 @@ class FlashFwdSm90(TimelineCounters):
         warpgroup.wait_group(0)  # P·V is done with rP and acc_O
         pipeline_v.consumer_release(kv)
         tick = self.tick(phases, 5, tick)
-        self.rescale_O(softmax, acc_O, correction)
-        self.probs_to_16bit(acc_S, rP)
+        self.rescale_O_and_store_P(softmax, acc_O, correction, acc_S, rP)
         tick = self.tick(phases, 6, tick)
         if cutlass.const_expr(cfg.timeline):
             phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
@@ -949,8 +973,22 @@ class FlashFwdSm90(TimelineCounters):
         softmax.rescale(acc_as_mma_sync(acc_O), correction)
 
     @cute.jit
-    def probs_to_16bit(self, acc_S, rP):
-        """P rounded to 16 bits into rP (round to nearest even).
+    def rescale_O_and_store_P(self, softmax: OnlineSoftmax, acc_O, correction, acc_S, rP):
+        """The end of a block once its P·V is waited for: O's rescale and P to 16 bits. With
+        `p_in_smem` P's stores go first and drain behind the rescale's FMULs."""
+        if cutlass.const_expr(self.cfg.p_in_smem):
+            self.probs_to_16bit(acc_S, rP, publish=False)
+            self.rescale_O(softmax, acc_O, correction)
+            self.publish_probs()
+        else:
+            self.rescale_O(softmax, acc_O, correction)
+            self.probs_to_16bit(acc_S, rP)
+
+    @cute.jit
+    def probs_to_16bit(self, acc_S, rP, publish: cutlass.Constexpr = True):
+        """P rounded to 16 bits into rP (round to nearest even); with `p_in_smem` rP is a
+        `ProbsInSmem`, and P goes on into this warpgroup's rows of sP (made visible to P·V by
+        `publish_probs` here, or by the caller once it has done more).
 
         `.to()` packs two values per F2FP only when tile_n is a multiple of 64 (SASS at 64 and
         128); at 80 and 96 it converted one value at a time and packed them with PRMT (twice the
@@ -958,10 +996,24 @@ class FlashFwdSm90(TimelineCounters):
         keep `.to()`: the same F2FPs, and the explicit form perturbed ptxas's register choice
         there (uniform-register descriptors back in vector registers at hd 256, tile_n 64).
         """
+        rP_regs = rP.regs if cutlass.const_expr(self.cfg.p_in_smem) else rP
         if cutlass.const_expr(self.cfg.tile_n % 64 == 0):
-            rP.store(acc_S.load().to(self.dtype))
+            rP_regs.store(acc_S.load().to(self.dtype))
         else:
-            store_pairs_16bit(acc_S, rP)
+            store_pairs_16bit(acc_S, rP_regs)
+        if cutlass.const_expr(self.cfg.p_in_smem):
+            # the last P·V of this warpgroup has been waited for (every caller), so its slot is free
+            cute.copy(rP.copy, rP.copy.retile(rP_regs), rP.dst)
+            if cutlass.const_expr(publish):
+                self.publish_probs()
+
+    @cute.jit
+    def publish_probs(self):
+        """`p_in_smem`: this thread's P stores (stmatrix, the generic proxy) made visible to the
+        P·V WGMMA (the async proxy). A warp's 16 rows of the warpgroup's m64 GEMM read only the
+        16 rows of P that warp stored, so the warp, not the warpgroup, meets."""
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
 
     @cute.jit
     def zero_unused_keys(self, sV, kv, rows_valid, ctidx, pipeline_v):

@@ -75,6 +75,12 @@ against 317.6, 435.8 against 428.6, 582.6 against 577.3. An earlier form without
 unseen first blocks measured level at 8 x 2048 (hd64 390.2 / 392.6, hd128 535.3 / 530.4) and
 2 x 8192 (499.0 / 496.8, 624.2 / 624.8; hd128 there on the causal K/V clusters, which do not
 take it now).
+`p_in_smem` (P·V reading P from shared memory, as flash-attn-4 runs head dim 96) is an A/B option
+that `make_config` does not set: on an H200 (bf16, `benchmarks/ab_sm90_fwd.py --rounds 3`) it
+cost 2-8% on the shipped tiles, and the wider key blocks it makes room for at 160 registers
+(192 x 128 at head dim 96, 192 x 192 at 64) won back at most that: hd96 2 x 8192 593.3 on
+192 x 128 against 596.7, causal 518.4 (with the half blocks) against 526.5; 8 x 2048 549.2
+against 543.3, causal 436.8 against 424.7; hd64 2 x 8192 508.6 on 192 x 192 against 527.7.
 """
 
 from __future__ import annotations
@@ -173,6 +179,13 @@ class Sm90FwdConfig:
     # for a first block they see no key of (`FlashFwdSm90.keys_seen`); the mask hides those
     # scores anyway. On 128-key blocks of the persistent loop with the intra-warpgroup overlap.
     masked_halves: bool = False
+    # P·V with P from shared memory (an SS WGMMA) instead of registers (A/B only; `make_config`
+    # never sets it, see the module docstring): each consumer warpgroup stores its P by stmatrix
+    # into a 64 x tile_n slot of its own, fenced for the async proxy before the GEMM reads it.
+    # P's registers then live from the conversion to the store only, not across the softmax of
+    # the next block while P·V is in flight, which lets 192-row tiles (160 registers) take wider
+    # key blocks.
+    p_in_smem: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -232,8 +245,9 @@ class Sm90FwdConfig:
         else:  # O over Q
             q_o = self.tile_m * max(self.head_dim, self.head_dim_v)
         kv = self.tile_n * (self.head_dim + self.head_dim_v) * self.num_stages
+        p = self.tile_m * self.tile_n if self.p_in_smem else 0
         # the mbarriers (and the tile hand-over slot) padded to the 1024-aligned tiles
-        return 1024 + 2 * (q_o + kv) + SM90_STATIC_SMEM_BYTES
+        return 1024 + 2 * (q_o + kv + p) + SM90_STATIC_SMEM_BYTES
 
     @property
     def name(self) -> str:
@@ -260,6 +274,8 @@ class Sm90FwdConfig:
             flags.append("cluster")
         if not self.mask_bits:
             flags.append("cmpmask")
+        if self.p_in_smem:
+            flags.append("psmem")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}wg{self.num_consumer_wgs}s{self.num_stages}"
         return "_".join(["fwd_sm90", self.dtype, hd, tile] + flags)
