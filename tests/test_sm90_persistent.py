@@ -250,3 +250,25 @@ def test_max_active_clusters_is_none_where_the_driver_cannot_say():
     if torch.cuda.is_available():
         pytest.skip("a GPU answers (tests/gpu/test_fwd_sm90.py checks it)")
     assert max_active_clusters(0, 2, 384, 200 << 10) is None
+
+
+def test_causal_sections_divide_the_pairs_where_a_size_up_to_twice_the_budget_does():
+    """A last section of few pairs leaves SMs idle at the end (`even_sections`): 32 pairs of 3 MB
+    (head dim 96, 2 x 8192 x 16 heads) fit 5 to the budget and take sections of 8; sizes that
+    divide the pairs already, or with no divisor up to twice the budget, stay as they are."""
+    from cute_flash.backends.cute import even_sections
+
+    config = fc.make_config("bfloat16", 96, 96, causal=True)
+    causal = AttnArgs(0.1, causal=True, window_right=0)
+    q = _q(2, 8192, 16, d=96)
+    assert PERSISTENT_L2_BYTES // (8192 * 192 * 2) == 5
+    assert heads_per_section(config, q, q, causal) == 8
+    unmasked = fc.make_config("bfloat16", 96, 96)
+    assert heads_per_section(unmasked, q, q, AttnArgs(0.1)) == 1  # one head at a time
+    assert even_sections(32, 5) == 8 and even_sections(32, 16) == 16 and even_sections(64, 8) == 8
+    assert even_sections(31, 5) == 5  # prime: no divisor from 5 to 10
+    assert even_sections(7, 5) == 7 and even_sections(3, 3) == 3
+    for pairs in range(1, 200):
+        for fit in range(1, pairs + 1):
+            size = even_sections(pairs, fit)
+            assert fit <= size <= 2 * fit and (size == fit or pairs % size == 0)
