@@ -16,6 +16,20 @@ from cute_flash.kernels.sm90 import fwd_config as fc  # noqa: E402
 from kernel_flag_cases import FLAG_CASES, expected_flags, flags_of
 
 
+def _clean_sass(config, tmp_path) -> str:
+    """The SASS of `config` compiled for sm_90a, asserted free of spills and of serialized WGMMAs
+    (skips where the disassembler is not installed)."""
+    from cute_flash import audit
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    target = audit.AuditTarget(config.name, "sm_90a", lambda options: fc.compile_fwd(config, options))
+    row = audit.audit_target(target, keep_dir=tmp_path)
+    assert row.error is None and not row.spills, (row.error, row.spill_stores, row.spill_loads)
+    assert "instructions are serialized" not in (tmp_path / config.name / "remarks.yaml").read_text()
+    return (tmp_path / config.name / "kernel.sass").read_text()
+
+
 @pytest.mark.parametrize("headdim", fc.TILE_HEADDIMS)
 def test_sm90_tile_table_fits_h100_shared_memory_and_registers(headdim):
     config = fc.make_config("bfloat16", headdim, headdim)
@@ -67,17 +81,7 @@ def test_sm90_profiling_build_needs_the_lse_and_is_named():
 def test_sm90_profiling_build_compiles_without_spills_or_wgmma_serialization(headdim, tmp_path):
     """`Sm90FwdConfig.timeline`: counters that spilled or serialized the WGMMAs would measure a
     different kernel."""
-    from dataclasses import replace
-
-    from cute_flash import audit
-
-    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
-        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
-    config = replace(fc.make_config("bfloat16", headdim, headdim, causal=True), timeline=True)
-    target = audit.AuditTarget(config.name, "sm_90a", lambda options: fc.compile_fwd(config, options))
-    row = audit.audit_target(target, keep_dir=tmp_path)
-    assert row.error is None and not row.spills, (row.error, row.spill_stores, row.spill_loads)
-    assert "instructions are serialized" not in (tmp_path / config.name / "remarks.yaml").read_text()
+    _clean_sass(replace(fc.make_config("bfloat16", headdim, headdim, causal=True), timeline=True), tmp_path)
 
 
 def test_sm90_masks_go_through_bit_masks_and_predicates(tmp_path):
@@ -273,19 +277,11 @@ def test_sm90_masked_halves_issue_64_key_gemms_without_serializing(headdim, tmp_
     """The half blocks' S GEMM is an HGMMA of 64 keys next to the whole blocks' 128, and its
     branches leave ptxas's WGMMA pipeline intact (no serialization remark, no spills); without
     `masked_halves` every S GEMM takes 128 keys (at head dim 64, P·V's HGMMAs are 64 wide too)."""
-    from cute_flash import audit
-
-    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
-        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
     halves = fc.make_config("bfloat16", headdim, headdim, causal=True)
     whole = replace(halves, masked_halves=False)
     hgmma = {}
     for config in (halves, whole):
-        target = audit.AuditTarget(config.name, "sm_90a", lambda options, c=config: fc.compile_fwd(c, options))
-        row = audit.audit_target(target, keep_dir=tmp_path)
-        assert row.error is None and not row.spills, (row.error, row.spill_stores, row.spill_loads)
-        assert "instructions are serialized" not in (tmp_path / config.name / "remarks.yaml").read_text()
-        sass = (tmp_path / config.name / "kernel.sass").read_text()
+        sass = _clean_sass(config, tmp_path)
         hgmma[config.masked_halves] = {n: sass.count(f"HGMMA.64x{n}x16") for n in (64, 128)}
     assert hgmma[True][64] > hgmma[False][64] and hgmma[True][128] and hgmma[False][128], hgmma
     if headdim == 128:
@@ -315,20 +311,12 @@ def test_sm90_p_in_smem_feeds_p_v_from_shared_memory_without_spills(headdim, til
     dim 96 with the half blocks; 192 x 128 with P in registers spills there)."""
     import re
 
-    from cute_flash import audit
-
-    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
-        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
     shipped = fc.make_config("bfloat16", headdim, headdim, causal=causal)
     psmem = replace(shipped, tile_n=tile_n, p_in_smem=True,
                     masked_halves=shipped.persistent and causal and tile_n == 128)
     a_operands = {}
     for config in (shipped, psmem):
-        target = audit.AuditTarget(config.name, "sm_90a", lambda options, c=config: fc.compile_fwd(c, options))
-        row = audit.audit_target(target, keep_dir=tmp_path)
-        assert row.error is None and not row.spills, (row.error, row.spill_stores, row.spill_loads)
-        assert "instructions are serialized" not in (tmp_path / config.name / "remarks.yaml").read_text()
-        sass = (tmp_path / config.name / "kernel.sass").read_text()
+        sass = _clean_sass(config, tmp_path)
         # P·V's N is the head dim; S = Q Kᵀ's is tile_n (never equal to it here)
         a_operands[config.p_in_smem] = re.findall(rf"HGMMA\.64x{headdim}x16\.F32\.BF16 R\d+, (\w+)", sass)
         if config.p_in_smem:
