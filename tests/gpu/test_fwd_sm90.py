@@ -49,6 +49,14 @@ def _check(q, k, v, args: AttnArgs):
     check_forward(out, lse, q, k, v, args)
 
 
+def _launch_config(backend, config, q, k, v, out, lse, args: AttnArgs) -> None:
+    """Run the forward of `config` (not necessarily the one the backend would pick) into out, lse."""
+    fn, _ = backend.cache.get(config, backend.arch())
+    a = backend.cache.args
+    backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
+    torch.cuda.synchronize()
+
+
 def _args(d, causal=False, **kw):
     return AttnArgs(softmax_scale=kw.pop("softmax_scale", 1.0 / math.sqrt(d)), causal=causal,
                     window_right=0 if causal else kw.pop("window_right", -1), **kw)
@@ -226,10 +234,7 @@ def test_sm90_fwd_schedule_variants_agree(overlap, pingpong):
     base = backend.config(q, k, v, lse, args)
     # (masked_halves splits the blocks of the overlapped loop only)
     config = replace(base, intra_wg_overlap=overlap, pingpong=pingpong, masked_halves=base.masked_halves and overlap)
-    fn, _ = backend.cache.get(config, backend.arch())
-    a = backend.cache.args
-    backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
-    torch.cuda.synchronize()
+    _launch_config(backend, config, q, k, v, out, lse, args)
     check_forward(out, lse, q, k, v, args)
 
 
@@ -254,10 +259,7 @@ def test_sm90_fwd_p_in_smem_matches_oracle(d, tile_n, grid, causal, seqlen_q, se
     if grid:
         base = on_grid(base)
     config = replace(base, tile_n=tile_n, p_in_smem=True, masked_halves=base.persistent and causal and tile_n == 128)
-    fn, _ = backend.cache.get(config, backend.arch())
-    a = backend.cache.args
-    backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
-    torch.cuda.synchronize()
+    _launch_config(backend, config, q, k, v, out, lse, args)
     check_forward(out, lse, q, k, v, args)
 
 
@@ -297,10 +299,7 @@ def test_sm90_fwd_causal_schedules_cover_every_tile(d, seqlen_q, seqlen_k, sched
     flags = {"counter": {}, "stride": dict(tile_counter=False), "grid": dict(persistent=False, tile_counter=False,
                                                                                       masked_halves=False)}
     config = replace(shipped, **flags[schedule])
-    fn, _ = backend.cache.get(config, backend.arch())
-    a = backend.cache.args
-    backend.launch(fn, q, k, v, out, lse, args, a, extra=backend.launch_extra(config, q, k, args, a))
-    torch.cuda.synchronize()
+    _launch_config(backend, config, q, k, v, out, lse, args)
     check_forward(out, lse, q, k, v, args)
 
 
