@@ -499,7 +499,8 @@ def heads_per_section(config, q, k, args: AttnArgs) -> int:
     """The (batch, head) pairs of one section of the sm_90 forward's tile order
     (`FlashFwdSm90.tile_coords`): for causal and local calls, whose tiles go longest first
     across a section, the most consecutive pairs whose K and V fit in `PERSISTENT_L2_BYTES`
-    (with `SECTIONED_TILE_ORDER`); otherwise 1, one head at a time (tiles all alike, and
+    (with `SECTIONED_TILE_ORDER`), raised to a size that divides the pairs where one up to twice
+    that does (`even_sections`); otherwise 1, one head at a time (tiles all alike, and
     neighbouring query blocks of a head share its K/V)."""
     if not (SECTIONED_TILE_ORDER and (config.causal or config.local)):
         return 1
