@@ -272,3 +272,32 @@ def test_causal_sections_divide_the_pairs_where_a_size_up_to_twice_the_budget_do
         for fit in range(1, pairs + 1):
             size = even_sections(pairs, fit)
             assert fit <= size <= 2 * fit and (size == fit or pairs % size == 0)
+
+
+def test_causal_sections_hold_at_least_their_longest_tile_of_work_per_cta():
+    """A persistent causal section's work per CTA is at least its longest tile
+    (`least_causal_section`): head dim 96 at 1 x 16384 x 16 heads (86 query blocks of 192 rows,
+    2 heads' K/V in the L2 budget) takes sections of 4 from 132 CTAs; the grid (no CTA count)
+    keeps the budget's 2, and so do calls whose budget is the larger."""
+    from cute_flash.backends.cute import least_causal_section
+
+    config = fc.make_config("bfloat16", 96, 96, causal=True)
+    causal = AttnArgs(0.1, causal=True, window_right=0)
+    q = _q(1, 16384, 16, d=96)
+    assert PERSISTENT_L2_BYTES // (16384 * 192 * 2) == 2
+    assert least_causal_section(132, 86) == 4
+    assert heads_per_section(config, q, q, causal, 132) == 4
+    assert heads_per_section(config, q, q, causal) == 2
+    assert persistent_schedule(config, q, q, causal, num_sms=132) == (132, 4)
+    # 21 heads: 4 raised to 7, which divides them
+    assert heads_per_section(config, _q(1, 16384, 21, d=96), _q(1, 16384, 21, d=96), causal, 132) == 7
+    # 2 x 8192 x 16 (43 blocks): the rule asks for 6, the budget's 5 divide up to 8 already
+    q8 = _q(2, 8192, 16, d=96)
+    assert least_causal_section(132, 43) == 6 and heads_per_section(config, q8, q8, causal, 132) == 8
+    # a window keeps the budget's sections
+    local = fc.make_config("bfloat16", 96, 96, local=True)
+    assert heads_per_section(local, q, q, AttnArgs(0.1, window_left=512, window_right=0), 132) == 2
+    for ctas in (1, 66, 132):
+        for blocks in range(1, 300):
+            least = least_causal_section(ctas, blocks)
+            assert least * blocks * (blocks + 1) / 2 >= ctas * blocks > (least - 1) * blocks * (blocks + 1) / 2

@@ -495,22 +495,42 @@ PERSISTENT_L2_BYTES = 16 << 20
 SECTIONED_TILE_ORDER = True
 
 
-def heads_per_section(config, q, k, args: AttnArgs) -> int:
+def heads_per_section(config, q, k, args: AttnArgs, num_ctas: Optional[int] = None) -> int:
     """The (batch, head) pairs of one section of the sm_90 forward's tile order
     (`FlashFwdSm90.tile_coords`): for causal and local calls, whose tiles go longest first
     across a section, the most consecutive pairs whose K and V fit in `PERSISTENT_L2_BYTES`
-    (with `SECTIONED_TILE_ORDER`), raised to a size that divides the pairs where one up to twice
-    that does (`even_sections`); otherwise 1, one head at a time (tiles all alike, and
-    neighbouring query blocks of a head share its K/V)."""
+    (with `SECTIONED_TILE_ORDER`); for a causal call of `num_ctas` persistent CTAs at least
+    `least_causal_section`'s; raised to a size that divides the pairs where one up to twice that
+    does (`even_sections`). Otherwise 1, one head at a time (tiles all alike, and neighbouring
+    query blocks of a head share its K/V)."""
     if not (SECTIONED_TILE_ORDER and (config.causal or config.local)):
         return 1
-    num_batch, _ = query_sizes(q, args)
+    num_batch, max_seqlen_q = query_sizes(q, args)
     nheads = q.shape[-2]
     seqlen_k = args.max_seqlen_k if args.cu_seqlens_k is not None else k.shape[1]
     group = nheads // k.shape[-2]
     kv_bytes_per_head = max(1, seqlen_k * (config.head_dim + config.head_dim_v) * q.element_size() // group)
     pairs = nheads * num_batch
-    return even_sections(pairs, max(1, min(pairs, PERSISTENT_L2_BYTES // kv_bytes_per_head)))
+    fit = PERSISTENT_L2_BYTES // kv_bytes_per_head
+    if config.causal and num_ctas is not None:
+        fit = max(fit, least_causal_section(num_ctas, -(-max_seqlen_q // config.tile_m)))
+    return even_sections(pairs, max(1, min(pairs, fit)))
+
+
+def least_causal_section(num_ctas: int, num_m_blocks: int) -> int:
+    """The fewest (batch, head) pairs of a causal section whose work per CTA is at least its
+    longest tile: query block i of a head sees about i + 1 key blocks, so a section of p pairs
+    holds p * M * (M + 1) / 2 blocks of work, M of them in its longest tiles. With fewer, the
+    CTAs that take the last section's longest tiles finish well after the others. On an H200
+    (bf16, causal, head dim 96: 192-row blocks, 6 MB of K/V per head at 16k keys, so 2 fit the L2
+    budget; the section size set by hand, outputs bitwise equal, three rounds, medians, TFLOP/s):
+    1 x 16384 x 16 heads 577.5 with sections of 2, 600.0 of 4 (this rule), 602.9 of 8
+    (flash-attn-4 585.5); 21 heads 579.9 of 3, 599.5 of 7 (the rule's 4 raised to divide 21;
+    582.1); 1 x 32768 x 16 601.1 of 1, 613.0 of 2 (the rule), 611.4 of 4 (600.1). Twice this many
+    measured within the rounds' spread, up or down, at 2k-16k keys (head dim 64 8 x 2048 400.9
+    against 392.5, 2 x 8192 485.6 against 475.3, 1 x 16384 498.6 against 500.0; 96 8 x 2048 420.0
+    against 430.2; 128 8 x 2048 517.0 against 525.7; five rounds), so the rule stops at one."""
+    return -(-2 * num_ctas // (num_m_blocks + 1))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -604,8 +624,10 @@ def persistent_schedule(config, q, k, args: AttnArgs, num_sms: Optional[int] = N
             num_clusters = max_active_clusters(index, 2, config.num_threads, config.smem_bytes)
     if clustered:
         pairs = min(num_sms // 2, num_clusters or num_sms // 2)
-        return 2 * max(1, min(tiles // 2, pairs)), heads_per_section(config, q, k, args)
-    return max(1, min(tiles, num_sms)), heads_per_section(config, q, k, args)
+        ctas = 2 * max(1, min(tiles // 2, pairs))
+    else:
+        ctas = max(1, min(tiles, num_sms))
+    return ctas, heads_per_section(config, q, k, args, ctas)
 
 
 class CuteSm90Backend(_CuteBackend):
