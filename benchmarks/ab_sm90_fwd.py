@@ -14,6 +14,9 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   row keeps its exp reference while its max grows by at most 8 in log2 units, and a warp skips
   O's rescale when none of its rows changed reference; `eager` (`lazy_rescale=False`, shipped at
   head dim 64): every block moves the reference and rescales O;
+* with the tile counter (persistent causal calls), `stride` (a fixed stride over the tiles
+  instead) and `late take` / `early take` (`late_take` flipped: the add that takes the next tile
+  issued after or before the current tile's loads);
 * with a causal mask, `compares` (`mask_bits=False`): each masked element's column compared
   with its row's limit, instead of the limit turned into a bit mask of the row's elements;
 * with a causal mask at head dims 64 and 128, `whole` (`masked_halves=False`): every masked key
@@ -87,7 +90,9 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     elif TILES[head_dim].persistent:  # persistent CTAs where the call does not ship them
         out += [("persist", replace(shipped, persistent=True))]
     if shipped.tile_counter:  # persistent CTAs taking the tiles by a fixed stride
-        out += [("stride", replace(shipped, tile_counter=False))]
+        out += [("stride", replace(shipped, tile_counter=False, late_take=False))]
+        # the counter's add issued before or after the tile's loads
+        out += [("early take" if shipped.late_take else "late take", replace(shipped, late_take=not shipped.late_take))]
     if causal:  # the mask by a comparison per element instead of bit masks
         out += [("compares", replace(shipped, mask_bits=False))]
     if shipped.masked_halves:  # every masked block's GEMMs over all of its keys

@@ -266,7 +266,7 @@ def test_sm90_masked_halves_where_key_blocks_are_128_and_masked(headdim):
         with pytest.raises(ValueError, match="masked_halves"):
             replace(causal, causal=False)
         with pytest.raises(ValueError, match="masked_halves"):
-            replace(causal, persistent=False, tile_counter=False)
+            replace(causal, persistent=False, tile_counter=False, late_take=False)
     else:
         with pytest.raises(ValueError, match="masked_halves"):
             replace(causal, masked_halves=True)

@@ -71,7 +71,8 @@ def test_persistent_flag_names_smem_and_table():
     # causal tiles come from the tile counter (a fixed stride balances them badly), except where
     # that loop spills (hd64 with softcap)
     causal = fc.make_config("bfloat16", 64, 64, causal=True)
-    assert causal.persistent and causal.tile_counter and causal.name.endswith("_persistent_counter")
+    assert causal.persistent and causal.tile_counter and causal.name.endswith("_persistent_counter_latetake")
+    assert causal.late_take  # the add that takes the next tile after this one's loads
     assert not fc.make_config("bfloat16", 128, 128).tile_counter
     assert not fc.make_config("bfloat16", 64, 64, causal=True, softcap=True).persistent
     assert not fc.make_config("bfloat16", 64, 64, local=True, softcap=True, varlen_q=True, varlen_k=True).persistent
@@ -84,6 +85,8 @@ def test_persistent_flag_names_smem_and_table():
     assert not fc.make_config("bfloat16", 64, 64, causal=True, persistent=False).tile_counter  # (for A/B)
     with pytest.raises(ValueError, match="tile_counter"):
         fc.make_config("bfloat16", 256, 256, causal=True, tile_counter=True)
+    with pytest.raises(ValueError, match="late_take"):
+        fc.make_config("bfloat16", 128, 128, late_take=True)  # no counter to take from
     assert not fc.make_config("bfloat16", 256, 256).persistent  # Q and O apart do not fit
     with pytest.raises(ValueError, match="shared memory"):
         fc.make_config("bfloat16", 256, 256, persistent=True)

@@ -281,13 +281,14 @@ def test_sm90_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_
     check_rescale_schedule(monkeypatch, _backend(), q, k, v, _args(d, causal), growing_max, lazy)
 
 
-@pytest.mark.parametrize("schedule", ["counter", "stride", "grid"])
+@pytest.mark.parametrize("schedule", ["counter", "other take", "stride", "grid"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1500, 1500), (1001, 333), (333, 1001)])
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_sm90_fwd_causal_schedules_cover_every_tile(d, seqlen_q, seqlen_k, schedule):
     """Causal calls with several times more tiles than SMs: persistent CTAs taking their tiles
-    from the tile counter (shipped), by a fixed stride, and one CTA per tile all store every
-    tile (outputs start as NaN), rows that see no key included (1001 x 333)."""
+    from the tile counter (shipped; the add that takes the next tile before or after a tile's
+    loads, `late_take`), by a fixed stride, and one CTA per tile all store every tile (outputs
+    start as NaN), rows that see no key included (1001 x 333)."""
     backend = _backend()
     torch.manual_seed(d + seqlen_q)
     q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, d, torch.bfloat16)
@@ -296,8 +297,9 @@ def test_sm90_fwd_causal_schedules_cover_every_tile(d, seqlen_q, seqlen_k, sched
     lse = torch.full((3, 24, seqlen_q), float("nan"), dtype=torch.float32, device="cuda")
     shipped = backend.config(q, k, v, lse, args)
     assert shipped.tile_counter
-    flags = {"counter": {}, "stride": dict(tile_counter=False), "grid": dict(persistent=False, tile_counter=False,
-                                                                                      masked_halves=False)}
+    flags = {"counter": {}, "other take": dict(late_take=not shipped.late_take),
+             "stride": dict(tile_counter=False, late_take=False),
+             "grid": dict(persistent=False, tile_counter=False, late_take=False, masked_halves=False)}
     config = replace(shipped, **flags[schedule])
     _launch_config(backend, config, q, k, v, out, lse, args)
     check_forward(out, lse, q, k, v, args)

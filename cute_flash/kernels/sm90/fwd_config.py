@@ -149,6 +149,17 @@ class Sm90FwdConfig:
     # A persistent CTA takes its tiles from a global counter, longest first, instead of a fixed
     # stride (make_config: causal): tiles of unequal length then end together.
     tile_counter: bool = False
+    # With `tile_counter` (make_config: wherever it is on): the producer's atomic add that takes
+    # the CTA's next tile is issued after the current tile's loads (the last of which waits for
+    # the consumers to be about `num_stages` key blocks from its end) instead of before them.
+    # Taken before, the next tile is decided when the current one starts: the CTAs that start a
+    # section's longest tiles take the next longest at once as their second, instead of the
+    # tiles going to the CTAs that come free first. On an H200 (bf16, causal,
+    # `benchmarks/ab_sm90_fwd.py --causal-only --variants "late take" --rounds 3`, TFLOP/s,
+    # medians, against the add before the loads): 8 x 2048 hd64 415.8 / 410.2, hd96 451.7 /
+    # 449.5, hd128 537.1 / 527.8; 2 x 8192 499.8 / 495.2, 592.1 / 584.7, 639.1 / 629.1;
+    # 1 x 16384 hd64 517.7 / 513.4, hd96 614.2 / 603.6.
+    late_take: bool = False
     # A profiling build (`benchmarks/fwd_timeline.py`; `make_config` never sets it): each tile
     # writes a record over the LSE of its first 32 query rows (tiles with fewer rows in their
     # sequence write none), which is then no LSE; O is unchanged. As int32s: 0 the SM, 1 the key
@@ -196,6 +207,8 @@ class Sm90FwdConfig:
                              "window or tile_counter, and with a causal mask one CTA per tile")
         if self.tile_counter and not self.persistent:
             raise ValueError("tile_counter hands tiles to persistent CTAs; it needs persistent")
+        if self.late_take and not self.tile_counter:
+            raise ValueError("late_take times the tile counter's add; it needs tile_counter")
         if self.tile_m != 64 * self.num_consumer_wgs:
             raise ValueError(f"tile_m must be 64 per consumer warpgroup; got {self.tile_m} for {self.num_consumer_wgs}")
         if self.num_consumer_wgs not in REGISTERS:
@@ -268,6 +281,8 @@ class Sm90FwdConfig:
             flags.append("persistent")
         if self.tile_counter:
             flags.append("counter")
+        if self.late_take:
+            flags.append("latetake")
         if self.timeline:
             flags.append("timeline")
         if self.cluster_kv:
@@ -311,6 +326,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     flags.setdefault("persistent", tile.persistent and not spills_persistent)
     flags.setdefault("lazy_rescale", tile.lazy_rescale)
     flags.setdefault("tile_counter", flags["persistent"] and causal)
+    flags.setdefault("late_take", flags["tile_counter"])
     # half blocks on 128-key tiles, in the persistent loop: on one CTA per tile (head dim 64 with
     # softcap, the causal K/V clusters, the grid variant) ptxas serialized the WGMMAs with them.
     # Causal calls only: a window's right edge takes them too (and passes the GPU tests with
@@ -365,7 +381,7 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
 def on_grid(config: Sm90FwdConfig) -> Sm90FwdConfig:
     """`config` on one CTA per tile: without the persistent loop, and so without its tile counter
     and its half blocks (`masked_halves`)."""
-    return replace(config, persistent=False, tile_counter=False, masked_halves=False)
+    return replace(config, persistent=False, tile_counter=False, late_take=False, masked_halves=False)
 
 
 @functools.lru_cache(maxsize=256)

@@ -32,9 +32,9 @@ VARIANTS = {
     "serial": dict(intra_wg_overlap=False, pingpong=False, masked_halves=False),
     # the configuration's own schedule on a persistent grid (where Q and O fit apart) with tiles
     # by a fixed stride and from the tile counter, and on one CTA per tile
-    "persist": dict(persistent=True, tile_counter=False),
-    "counter": dict(persistent=True, tile_counter=True),
-    "grid": dict(persistent=False, tile_counter=False, masked_halves=False),
+    "persist": dict(persistent=True, tile_counter=False, late_take=False),
+    "counter": dict(persistent=True, tile_counter=True, late_take=True),
+    "grid": dict(persistent=False, tile_counter=False, late_take=False, masked_halves=False),
 }
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dv, dtype, causal, window, softcap, varlen)
