@@ -47,8 +47,8 @@ With a causal mask the tiles differ in length and a fixed stride leaves some SMs
 work than others: such a configuration (`tile_counter`) takes its first tile from blockIdx.x
 and every later one from a global counter (one atomic add by the producer warp, issued once
 it has issued the current tile's loads, `late_take`), longest first in `tile_coords`' order,
-so a CTA that finishes early takes the next tile, as the hardware's grid scheduler would. The producer hands each
-tile index to the consumers through shared memory between two named barriers. The call's last
+so a CTA that finishes early takes the next tile, as the hardware's grid scheduler would. The
+producer hands each tile index to the consumers through shared memory between two named barriers. The call's last
 add sets the counter back to 0 (`reset_counter_after_last_add`), so one counter per stream
 serves every call (`CuteSm90Backend.tile_counter`).
 
@@ -491,17 +491,13 @@ class FlashFwdSm90(TimelineCounters):
                 if cutlass.const_expr(cfg.tile_counter):
                     tile = first_tile
                     while tile < num_tiles:
+                        # `late_take`: taken once this tile's loads are issued, so that the next
+                        # tile goes to a CTA about to be free, as the grid scheduler would hand it
+                        # out; else taken now, and read after the loads, which hide its latency
+                        taken = None if cutlass.const_expr(cfg.late_take) else self.take_tile(mTileCounter)
+                        q_state, kv_state = self.load_persistent_tile(tile, tile_args, load_args, q_state, kv_state)
                         if cutlass.const_expr(cfg.late_take):
-                            # taken once this tile's loads are issued: the next tile goes to a CTA
-                            # about to be free, as the grid scheduler would hand it out
-                            q_state, kv_state = self.load_persistent_tile(
-                                tile, tile_args, load_args, q_state, kv_state)
                             taken = self.take_tile(mTileCounter)
-                        else:
-                            # taken now, read after this tile's loads: the atomic's latency hides behind them
-                            taken = self.take_tile(mTileCounter)
-                            q_state, kv_state = self.load_persistent_tile(
-                                tile, tile_args, load_args, q_state, kv_state)
                         self.reset_counter_after_last_add(mTileCounter, taken, num_tiles - 1)
                         next_tile = cute.arch.shuffle_sync(taken, 0) + tile_step
                         cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=handover_threads)
