@@ -48,9 +48,9 @@ work than others: such a configuration (`tile_counter`) takes its first tile fro
 and every later one from a global counter (one atomic add by the producer warp, issued once
 it has issued the current tile's loads, `late_take`), longest first in `tile_coords`' order,
 so a CTA that finishes early takes the next tile, as the hardware's grid scheduler would. The
-producer hands each tile index to the consumers through shared memory between two named barriers. The call's last
-add sets the counter back to 0 (`reset_counter_after_last_add`), so one counter per stream
-serves every call (`CuteSm90Backend.tile_counter`).
+producer hands each tile index to the consumers through shared memory between two named
+barriers. The call's last add sets the counter back to 0 (`reset_counter_after_last_add`), so
+one counter per stream serves every call (`CuteSm90Backend.tile_counter`).
 
 K/V clusters (`cluster_kv`: calls without a window, varlen or seqused_k, with an even number of
 query blocks, on tiles of 96 keys or more): the grid is launched in clusters of two CTAs on
