@@ -46,7 +46,7 @@ def parse_candidate(spec: str, arch: str) -> dict:
     if arch == "sm_90a":
         fields.update(num_consumer_wgs=workers, pingpong=not m.group(5))
         if m.group(7):
-            fields.update(persistent=False, tile_counter=False, late_take=False, masked_halves=False)
+            fields.update(config_module(arch).ON_GRID)
         if m.group(8):
             fields.update(p_in_smem=True)
     else:

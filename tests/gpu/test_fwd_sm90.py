@@ -19,7 +19,7 @@ from attention_oracle import (
     run_forward, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
-from cute_flash.kernels.sm90.fwd_config import on_grid
+from cute_flash.kernels.sm90.fwd_config import ON_GRID, on_grid
 
 pytestmark = pytest.mark.gpu
 
@@ -299,7 +299,7 @@ def test_sm90_fwd_causal_schedules_cover_every_tile(d, seqlen_q, seqlen_k, sched
     assert shipped.tile_counter
     flags = {"counter": {}, "other take": dict(late_take=not shipped.late_take),
              "stride": dict(tile_counter=False, late_take=False),
-             "grid": dict(persistent=False, tile_counter=False, late_take=False, masked_halves=False)}
+             "grid": ON_GRID}
     config = replace(shipped, **flags[schedule])
     _launch_config(backend, config, q, k, v, out, lse, args)
     check_forward(out, lse, q, k, v, args)

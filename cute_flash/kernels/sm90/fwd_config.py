@@ -378,10 +378,15 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     return config
 
 
+# The fields `on_grid` sets: one CTA per tile, so no persistent loop, tile counter (nor its take
+# order) or half blocks
+ON_GRID = dict(persistent=False, tile_counter=False, late_take=False, masked_halves=False)
+
+
 def on_grid(config: Sm90FwdConfig) -> Sm90FwdConfig:
     """`config` on one CTA per tile: without the persistent loop, and so without its tile counter
     and its half blocks (`masked_halves`)."""
-    return replace(config, persistent=False, tile_counter=False, late_take=False, masked_halves=False)
+    return replace(config, **ON_GRID)
 
 
 @functools.lru_cache(maxsize=256)

@@ -24,6 +24,7 @@ import torch
 from cute_flash.backends.cute import CuteSm90Backend
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention
+from cute_flash.kernels.sm90.fwd_config import ON_GRID
 
 BACKEND = CuteSm90Backend()
 VARIANTS = {
@@ -34,7 +35,7 @@ VARIANTS = {
     # by a fixed stride and from the tile counter, and on one CTA per tile
     "persist": dict(persistent=True, tile_counter=False, late_take=False),
     "counter": dict(persistent=True, tile_counter=True, late_take=True),
-    "grid": dict(persistent=False, tile_counter=False, late_take=False, masked_halves=False),
+    "grid": ON_GRID,
 }
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dv, dtype, causal, window, softcap, varlen)
