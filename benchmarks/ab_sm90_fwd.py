@@ -1,5 +1,5 @@
-"""A/B of the sm_90 forward's softmax schedule: the shipped kernels (lazy rescale, eager at head dim
-64) against the other rescale, next to flash-attn-4.
+"""A/B of the sm_90 forward's softmax schedule: the shipped kernels (lazy rescale, with the keep
+vote at head dims 64 and 96) against the eager rescale, next to flash-attn-4.
 
     python benchmarks/ab_sm90_fwd.py                      # GPU: check, then time every case
     python benchmarks/ab_sm90_fwd.py --head-dims 128 --causal-only
@@ -10,10 +10,13 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
 1536 / 192). Variants of each case:
 
 * first the shipped configuration (`make_config`), i.e. what `cute_flash.forward` runs, then the
-  same with the other rescale; `lazy` (`lazy_rescale=True`, shipped at head dims 128 and 256): a
-  row keeps its exp reference while its max grows by at most 8 in log2 units, and a warp skips
-  O's rescale when none of its rows changed reference; `eager` (`lazy_rescale=False`, shipped at
-  head dim 64): every block moves the reference and rescales O;
+  same with the other rescale; `lazy` (`lazy_rescale=True`, shipped at every head dim): a row
+  keeps its exp reference while its max grows by at most 8 in log2 units, and a warp skips O's
+  rescale when none of its rows changed reference; `eager` (`lazy_rescale=False`): every block
+  moves the reference and rescales O;
+* `keepvote` (`keep_vote`, with the lazy rescale; `no keepvote` where shipped, head dims 64 and 96):
+  each warp votes on whether all its rows keep their references, from its lanes' own maxima,
+  and skips the max shuffles and the rescale's selects when they do;
 * with the tile counter (persistent causal calls), `stride` (a fixed stride over the tiles
   instead) and `late take` / `early take` (`late_take` flipped: the add that takes the next tile
   issued after or before the current tile's loads);
@@ -31,7 +34,8 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   CTA per tile (each CTA walks the key blocks of the cluster's later query block, letting those
   past its own go unread);
 * at head dims 128 and 192 without a mask: `cluster`, the K/V clusters, which `cute_flash.forward`
-  takes where a call has an even number of query blocks;
+  takes where a call has an even number of query blocks; both cluster variants also with the
+  other `keep_vote` (`cluster keepvote`, `cluster grid keepvote`);
 * at head dim 96: `128x128` (two consumer warpgroups on 128 x 128, its tile before the three
   warpgroups of 192 rows) and `n96` (96 keys per block);
 * at head dims 64 and 96: `psmem` (`p_in_smem`: P·V reads P from shared memory) on the shipped
@@ -84,7 +88,14 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
 
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
     rescale = ("lazy", "eager") if shipped.lazy_rescale else ("eager", "lazy")
-    out = [(rescale[0], shipped), (rescale[1], replace(shipped, lazy_rescale=not shipped.lazy_rescale))]
+    # (no `keep_vote` without the lazy rescale)
+    other = replace(shipped, lazy_rescale=not shipped.lazy_rescale, keep_vote=False)
+    out = [(rescale[0], shipped), (rescale[1], other)]
+    # the lazy rescale with each warp's vote on whether its rows all keep their references
+    if shipped.keep_vote:
+        out += [("no keepvote", replace(shipped, keep_vote=False))]
+    else:
+        out += [("keepvote", replace(shipped, lazy_rescale=True, keep_vote=True))]
     if shipped.persistent:  # the one-tile-per-CTA grid
         out += [("grid", on_grid(shipped))]
     elif TILES[head_dim].persistent:  # persistent CTAs where the call does not ship them
@@ -106,11 +117,16 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
         out += [("n80", replace(shipped, tile_n=80)), ("late", replace(shipped, rescale_o_before_pv=False))]
     if head_dim == 192:  # wider key blocks (fewer on the causal diagonal)
         out += [(f"n{n}", replace(shipped, tile_n=n)) for n in (112, 128) if _fits(shipped, tile_n=n)]
+    # the K/V clusters (on one CTA per tile when causal, as calls with 64 query blocks or more
+    # take them), also with the other `keep_vote`
+    kv_label = "no keepvote" if shipped.keep_vote else "keepvote"
     if head_dim in (128, 192) and causal:  # causal K/V clusters on the one-CTA-per-tile grid
-        out += [("cluster grid", replace(on_grid(shipped), cluster_kv=True))]
+        cluster = replace(on_grid(shipped), cluster_kv=True)
+        out += [("cluster grid", cluster), (f"cluster grid {kv_label}", replace(cluster, keep_vote=not cluster.keep_vote))]
     if head_dim in (128, 192) and shipped.pairs_query_blocks:
         # the K/V clusters that calls with an even number of query blocks take
-        out += [("cluster", replace(shipped, cluster_kv=True))]
+        cluster = replace(shipped, cluster_kv=True)
+        out += [("cluster", cluster), (f"cluster {kv_label}", replace(cluster, keep_vote=not cluster.keep_vote))]
     if head_dim == 96:  # the 128-row tile of two warpgroups, and 96 keys per block
         out += [("128x128", replace(shipped, tile_m=128, num_consumer_wgs=2, tile_n=128)),
                 ("n96", replace(shipped, tile_n=96))]

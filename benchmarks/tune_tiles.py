@@ -55,6 +55,8 @@ def parse_candidate(spec: str, arch: str) -> dict:
         fields.update(num_warps=workers)
     if m.group(6):
         fields.update(lazy_rescale=m.group(6) == "-lazy")
+        if arch == "sm_90a" and m.group(6) == "-eager":
+            fields.update(keep_vote=False)  # it votes on the lazy rescale's kept references
     return fields
 
 

@@ -116,18 +116,31 @@ def run_forward(backend, q, k, v, args: AttnArgs):
     return out, lse
 
 
+def grow_row_max(q: torch.Tensor, k: torch.Tensor, args: AttnArgs) -> None:
+    """Add (in place) a ramp that raises every row's max by ~5 (log2 units) per 128 keys in the
+    order the kernels visit them (last key block first); q and k in batch mode."""
+    q[..., 0] = 8.0
+    per_key = 5.0 / 128 / (8 * args.softmax_scale * math.log2(math.e))
+    ramp = per_key * torch.arange(k.shape[1] - 1, -1, -1, device=k.device)
+    k[..., 0] = ramp.to(k.dtype)[None, :, None]
+
+
 def check_rescale_schedule(monkeypatch, backend, q, k, v, args: AttnArgs, growing_max: bool, lazy: bool) -> None:
     """The forward with `lazy_rescale` set to `lazy` on every configuration `backend` picks, against
     the oracle. `growing_max` adds a ramp that raises every row's max by ~5 (log2 units) per 128
     keys in the order the kernels visit them (last key block first), so that some blocks keep the
     reference and others move it."""
     plain = backend.config
-    monkeypatch.setattr(backend, "config", lambda *a, **kw: replace(plain(*a, **kw), lazy_rescale=lazy))
+
+    def config(*a, **kw):
+        picked = plain(*a, **kw)
+        # the sm_90 forward's `keep_vote` votes on the lazy rescale's kept references
+        off = {} if lazy or not getattr(picked, "keep_vote", False) else {"keep_vote": False}
+        return replace(picked, lazy_rescale=lazy, **off)
+
+    monkeypatch.setattr(backend, "config", config)
     if growing_max:
-        q[..., 0] = 8.0
-        per_key = 5.0 / 128 / (8 * args.softmax_scale * math.log2(math.e))
-        ramp = per_key * torch.arange(k.shape[1] - 1, -1, -1, device=k.device)
-        k[..., 0] = ramp.to(k.dtype)[None, :, None]
+        grow_row_max(q, k, args)
     out, lse = run_forward(backend, q, k, v, args)
     assert backend.config(q, k, v, lse, args).lazy_rescale == lazy
     check_forward(out, lse, q, k, v, args)

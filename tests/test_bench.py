@@ -599,9 +599,12 @@ def test_loop_sass_finds_the_key_block_loop_of_the_shipped_kernel(capsys):
 
     assert loop_sass.main(["--head-dim", "64"]) == 0
     out = capsys.readouterr().out
-    count = int(re.search(r"\[0\]\s+\d+\s+per trip (\d+)\s+fwd_sm90_bfloat16_hd64", out).group(1))
-    assert 300 < count < 600  # one key block's softmax for 64 scores a thread, and its GEMMs
-    assert re.search(r"HGMMA\.64x128x16\s+4\b", out) and re.search(r"MUFU\.EX2\s+6\d\b", out)
+    trips = re.search(r"\[0\]\s+\d+\s+per trip ([\d/]+)\s+fwd_sm90_bfloat16_hd64", out).group(1)
+    # one key block's softmax for 64 scores a thread, and its GEMMs, along each path (`keep_vote`:
+    # the rows keep their references or not, and O's rescale is skipped or not)
+    assert all(300 < int(count) < 600 for count in trips.split("/")), trips
+    # the exponentials of 64 scores on each of the vote's two paths
+    assert re.search(r"HGMMA\.64x128x16\s+4\b", out) and re.search(r"MUFU\.EX2\s+1[23]\d\b", out)
 
 
 def _timeline_record(sm, steps, start, cycles_per_step, step_ns=1000, wrap=0):

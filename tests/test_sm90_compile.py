@@ -55,13 +55,16 @@ def test_sm90_config_rejects_impossible_choices():
 
 @pytest.mark.parametrize("headdim", fc.TILE_HEADDIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_shipped_tiles_rescale_lazily_but_at_64_and_keep_the_other_variant_compiled(headdim, causal):
+def test_sm90_shipped_tiles_rescale_lazily_and_keep_the_eager_variant_compiled(headdim, causal):
     config = fc.make_config("bfloat16", headdim, headdim, causal=causal)
-    assert config.lazy_rescale == (headdim != 64)
-    # a padded head dim takes its tile's rescale; an explicit choice wins
-    assert fc.make_config("bfloat16", 40, 40).lazy_rescale is False
-    assert fc.make_config("bfloat16", 64, 64, lazy_rescale=True).lazy_rescale
-    other = replace(config, lazy_rescale=not config.lazy_rescale)
+    assert config.lazy_rescale
+    assert config.keep_vote == (headdim in (64, 96))
+    # a padded head dim takes its tile's rescale; an explicit choice wins, and the eager rescale
+    # has no vote on kept references
+    assert fc.make_config("bfloat16", 40, 40).keep_vote is True
+    eager = fc.make_config("bfloat16", 64, 64, lazy_rescale=False)
+    assert not eager.lazy_rescale and not eager.keep_vote
+    other = replace(config, lazy_rescale=False, keep_vote=False)
     if headdim in (64, 128, 256):
         assert other in fc.shipped_configs()
     eager = [c for c in fc.shipped_configs() if not c.lazy_rescale]
@@ -93,7 +96,7 @@ def test_sm90_masks_go_through_bit_masks_and_predicates(tmp_path):
     bits = fc.make_config("bfloat16", 64, 64, causal=True)
     compares = replace(bits, mask_bits=False)
     counts = sass_opcode_counts((bits, compares), fc.compile_fwd, tmp_path)
-    assert bits.mask_bits and compares.name.endswith("_cmpmask")
+    assert bits.mask_bits and "cmpmask" in compares.name.split("_")
     assert counts[bits.name]["R2P"] and not counts[compares.name]["R2P"]
     assert counts[compares.name]["ISETP"] - counts[bits.name]["ISETP"] >= 64
 
@@ -323,3 +326,34 @@ def test_sm90_p_in_smem_feeds_p_v_from_shared_memory_without_spills(headdim, til
             assert sass.count("STSM") > (tmp_path / shipped.name / "kernel.sass").read_text().count("STSM")
     assert a_operands[False] and all(a.startswith("R") for a in a_operands[False]), a_operands[False]
     assert a_operands[True] and all(a == "gdesc" for a in a_operands[True]), a_operands[True]
+
+
+def test_sm90_keep_vote_needs_the_lazy_rescale():
+    """`keep_vote` votes on the lazy rescale's kept references: an A/B option on lazy configurations
+    only, named in the kernel's name."""
+    lazy = fc.make_config("bfloat16", 128, 128)
+    assert lazy.lazy_rescale and "keepvote" in replace(lazy, keep_vote=True).name.split("_")
+    with pytest.raises(ValueError, match="keep_vote"):
+        replace(lazy, lazy_rescale=False, keep_vote=True)
+
+
+@pytest.mark.parametrize("headdim,causal", [(64, False), (128, True)])
+def test_sm90_keep_vote_shortens_the_key_block_loop_without_spills(headdim, causal, tmp_path):
+    """With `keep_vote` a warp whose rows all keep their references runs fewer instructions per key
+    block than the lazy rescale does (no max shuffles, selects or factor), through a VOTE.ALL; the
+    other path (a row moves its reference) is the lazy rescale's. No spills, no serialized WGMMAs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import loop_sass
+
+    lazy = fc.make_config("bfloat16", headdim, headdim, causal=causal, keep_vote=False)
+    shortest = {}
+    for config in (lazy, replace(lazy, keep_vote=True)):
+        sass = _clean_sass(config, tmp_path)
+        body, paths = loop_sass.analyse(sass, headdim // 16 + config.tile_n // 16)
+        shortest[config.keep_vote] = min(paths)
+        if config.keep_vote:
+            assert any("VOTE.ALL" in inst for inst in body)
+    assert shortest[True] < shortest[False], shortest

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from attention_oracle import (
-    SEQLEN_PAIRS, backend_or_skip, check_forward, check_offsets_beyond_4gib, check_rescale_schedule, randn_in_nan,
-    run_forward, strided_qkv,
+    SEQLEN_PAIRS, backend_or_skip, check_forward, check_offsets_beyond_4gib, check_rescale_schedule, grow_row_max,
+    randn_in_nan, run_forward, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
 from cute_flash.kernels.sm90.fwd_config import ON_GRID, on_grid
@@ -279,6 +279,34 @@ def test_sm90_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_
     torch.manual_seed(d + seqlen_k + growing_max)
     q, k, v = _qkv(2, seqlen_q, seqlen_k, 2, 2, d, d, torch.bfloat16)
     check_rescale_schedule(monkeypatch, _backend(), q, k, v, _args(d, causal), growing_max, lazy)
+
+
+@pytest.mark.parametrize("growing_max", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1001, 333), (2304, 2048)])
+@pytest.mark.parametrize("causal,softcap", [(False, 0.0), (True, 0.0), (True, 30.0)])
+@pytest.mark.parametrize("d", HEADDIMS)
+def test_sm90_fwd_keep_vote_is_the_lazy_rescale_bit_for_bit(d, causal, softcap, seqlen_q, seqlen_k, growing_max):
+    """`keep_vote` (a warp whose rows all keep their references skips the shuffles and selects)
+    gives the lazy rescale's out and LSE bit for bit, on the configuration each call picks (with
+    the lazy rescale, eager at head dim 64 when shipped), and both match the oracle. The ramp
+    makes some blocks move a row's reference and others keep it; causal 1001 x 333 has rows that
+    see no key."""
+    torch.manual_seed(d + seqlen_k + growing_max)
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, 4, 2, d, d, torch.bfloat16)
+    args = _args(d, causal, softcap=softcap)
+    if growing_max:
+        grow_row_max(q, k, args)
+    backend = _backend()
+    lse = torch.empty((2, 4, seqlen_q), dtype=torch.float32, device="cuda")
+    base = replace(backend.config(q, k, v, lse, args), lazy_rescale=True, keep_vote=False)
+    results = []
+    for config in (base, replace(base, keep_vote=True)):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((2, 4, seqlen_q), float("nan"), dtype=torch.float32, device="cuda")
+        _launch_config(backend, config, q, k, v, out, lse, args)
+        results.append((out, lse))
+    check_forward(*results[1], q, k, v, args)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 @pytest.mark.parametrize("schedule", ["counter", "other take", "stride", "grid"])

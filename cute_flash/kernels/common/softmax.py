@@ -14,6 +14,13 @@ it never lags by more than the threshold; the row sum, O and the LSE (`row_max` 
 reference) all use the same reference, so the result is the softmax's up to rounding. A row
 that is still all -inf never keeps its reference (the test sees -inf), so a fully masked row
 still ends with sum 0: output 0, LSE -inf.
+
+Keep vote (`keep_vote`, with the lazy rescale; the sm_90 forward's `Sm90FwdConfig.keep_vote`):
+a row keeps its reference iff each lane's part of it does, since (prev - m) * scale falls as m
+grows, so a warp tests its lanes' own maxima and votes. When every row of the warp keeps, the
+quad shuffles, the factor and the selects are skipped: the factors are 1 and the exponentials
+use the kept reference, as the full path would (bitwise the same). Otherwise the warp takes the
+full path.
 """
 
 from __future__ import annotations
@@ -44,14 +51,20 @@ class OnlineSoftmax:
     row_max: cute.Tensor  # per thread row, already reduced over the quad: the exp reference
     row_sum: cute.Tensor  # per thread row, partial over this thread's columns
     rescale_threshold: cutlass.Constexpr[float] = 0.0  # > 0: lazy rescale (module docstring)
+    # With the lazy rescale: a warp first votes on whether every row of it keeps its reference
+    # (`probs`), and skips the rows' shuffles and selects when they all do
+    keep_vote: cutlass.Constexpr[bool] = False
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0,
+               keep_vote: bool = False) -> "OnlineSoftmax":
+        if keep_vote and not rescale_threshold > 0.0:
+            raise ValueError("keep_vote skips the lazy rescale's bookkeeping: it needs a rescale_threshold")
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return OnlineSoftmax(scale_log2, row_max, row_sum, rescale_threshold)
+        return OnlineSoftmax(scale_log2, row_max, row_sum, rescale_threshold, keep_vote)
 
     @cute.jit
     def step(self, acc_S: cute.Tensor, acc_O: cute.Tensor, is_first: cutlass.Constexpr[bool]):
@@ -71,6 +84,35 @@ class OnlineSoftmax:
         an in-flight WGMMA must not be touched, so `rescale_O` runs once that GEMM is waited for.
         """
         acc_S_mn = acc_mn_view(acc_S)
+        if cutlass.const_expr(self.keep_vote and not is_first):
+            # A row keeps its reference iff every lane's part of it does ((prev - m) * scale is
+            # monotone in m, so the test of the quad's maximum is the AND of the lanes' tests),
+            # so a warp whose lanes all keep all their rows needs no shuffle: each row's
+            # reference, maximum and sum stay, its factor is 1, and the exponentials follow with
+            # the same reference as in `lazy_probs` (bitwise the same result). Otherwise the
+            # warp takes `lazy_probs`.
+            keep = True
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                lane_max = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+                keep = keep & ((self.row_max[r] - lane_max) * self.scale_log2 >= -self.rescale_threshold)
+            if cute.arch.vote_all_sync(keep):
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    correction[r] = Float32(1.0)
+                    ref = self.row_max[r] * self.scale_log2
+                    row_sum = self.row_sum[r]
+                    for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                        p = exp2f(acc_S_mn[r, c] * self.scale_log2 - ref)
+                        acc_S_mn[r, c] = p
+                        row_sum += p
+                    self.row_sum[r] = row_sum
+            else:
+                self.lazy_probs(acc_S_mn, correction, is_first)
+        else:
+            self.lazy_probs(acc_S_mn, correction, is_first)
+
+    @cute.jit
+    def lazy_probs(self, acc_S_mn: cute.Tensor, correction: cute.Tensor, is_first: cutlass.Constexpr[bool]):
+        """`probs` on the (rows, columns) view, every row by its quad's maximum."""
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             row = acc_S_mn[r, None].load()
             new_max = quad_allreduce(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), fmax)

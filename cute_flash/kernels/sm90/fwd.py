@@ -713,7 +713,8 @@ class FlashFwdSm90(TimelineCounters):
         # thread 0's coordinates: compile-time constants for the mask's comparisons
         t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_qk.get_slice(0).partition_C(cS)))
         num_rows = cute.size(tScS_mn, mode=[0])
-        softmax = OnlineSoftmax.create(softmax_scale_log2, num_rows, LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0)
+        softmax = OnlineSoftmax.create(softmax_scale_log2, num_rows, LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0,
+                                        cfg.keep_vote)
         correction = cute.make_rmem_tensor(num_rows, Float32)
         if cutlass.const_expr(cfg.rescale_o_before_pv):
             correction.fill(1.0)  # the first block leaves no factor; O is still 0 then

@@ -47,17 +47,31 @@ TFLOP/s) 2 x 8192 602-608 against 556-557 on the former 128 x 128 tile with K/V 
 (flash-attn-4 591-629), 8 x 2048 540-569 against 515-521, causal 2 x 8192 510-537 against
 508-525; 192 x 96 measured 592-595 / 509-536 / 532-533, three K/V stages 601-609.
 
-`lazy_rescale` (on in every configuration `make_config` builds except head dim 64's; the other
-variants are shipped for A/B only): a row keeps its old maximum as the exp
+`lazy_rescale` (on in every configuration `make_config` builds; the eager variants are shipped
+for A/B only): a row keeps its old maximum as the exp
 reference while the new one exceeds it by at most `LAZY_RESCALE_LOG2` (P <= 2^8), and a warp
 skips the rescale of its O rows when none of them changed reference (see `common/softmax.py`).
 Measured on an H200 (2 x 8192, bf16, causal): +3.8 % at hd 128 (577 -> 600 TFLOP/s), +2.5 % at
 hd 256. At hd 64 O is 32 registers per thread, and the selects and the vote that decide whether
 to skip its 32 FMULs cost more than the FMULs (the loop is 421 SASS instructions per block
 eager, 435 lazy): eager ran 0.1-2.5 % faster in 11 of 12 cells of two runs (32 heads, 2 x 8192,
-8 x 2048 and 1 x 16384, causal and not, five interleaved rounds each; e.g. 1 x 16384 540.4
-against 527.3 TFLOP/s, 8 x 2048 477.5 against 470.1; one causal cell 0.6 % behind), so hd 64
-rescales eagerly.
+8 x 2048 and 1 x 16384, causal and not, five interleaved rounds each), so hd 64 rescaled eagerly
+until `keep_vote` took those selects off the common path (below).
+
+`keep_vote` (head dims 64 and 96): with the lazy rescale, each warp first tests every row of
+its lanes against the row's kept reference, from the lane's own maximum, and votes; when all
+keep (most blocks), the rows skip the quad's max shuffles, the factor's exponential and the
+selects, and only when one moves its reference does the warp take the lazy rescale's full path.
+The output is the lazy rescale's bit for bit. One trip around the key-block loop on the path
+that keeps every reference (SASS, bf16, no mask): hd 64 382 instructions against 421 eager,
+hd 96 362 against 385, hd 128 400 against 421, hd 192 343 against 362, hd 256 275 against 298.
+On an H200 (`benchmarks/ab_sm90_fwd.py --variants keepvote --rounds 3`, bf16, medians, TFLOP/s,
+the shipped kernel before first): hd 64 2 x 8192 524.0 / 534.1, causal 492.0 / 504.0, 1 x 16384
+532.6 / 541.1, causal 507.6 / 520.0, 8 x 2048 475.3 / 477.4, causal 404.8 / 403.1; hd 96 2 x
+8192 592.1 / 607.5, causal 574.9 / 579.9, 8 x 2048 537.2 / 552.0, causal 440.9 / 447.7. At hd
+128 it was slower in every case (2 x 8192 644.1 / 635.1, with the K/V clusters that calls take
+666.2 / 639.1, causal clusters 620.0 / 615.8; 1 x 16384 clusters 674.1 / 655.6) and at 192 and
+256 within the rounds' spread (-1.3 % to +1.8 %), so it is off there.
 
 `masked_halves` (causal calls on 128-key blocks in the persistent loop: head dims 64 and 128,
 but not on one CTA per tile -- head dim 64 with softcap, the causal K/V clusters -- where ptxas
@@ -103,11 +117,12 @@ class Tile(NamedTuple):
     pingpong: bool
     persistent: bool = False  # one CTA per SM walking the tiles (Q and O apart in shared memory)
     lazy_rescale: bool = True  # see `Sm90FwdConfig.lazy_rescale` and the module docstring
+    keep_vote: bool = False  # with the lazy rescale: see `Sm90FwdConfig.keep_vote`
 
 
 TILES = {
-    64: Tile(192, 128, 3, 2, True, persistent=True, lazy_rescale=False),
-    96: Tile(192, 112, 3, 2, True, persistent=True),
+    64: Tile(192, 128, 3, 2, True, persistent=True, keep_vote=True),
+    96: Tile(192, 112, 3, 2, True, persistent=True, keep_vote=True),
     128: Tile(128, 128, 2, 2, True, persistent=True),
     192: Tile(128, 96, 2, 2, True),
     256: Tile(128, 64, 2, 2, False),
@@ -197,6 +212,10 @@ class Sm90FwdConfig:
     # the next block while P·V is in flight, which lets 192-row tiles (160 registers) take wider
     # key blocks.
     p_in_smem: bool = False
+    # With `lazy_rescale`: each warp first votes on whether all its rows keep their references,
+    # from its lanes' own maxima, and then skips the rows' max shuffles and the rescale's
+    # selects (`OnlineSoftmax.keep_vote`; bitwise the same output)
+    keep_vote: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -222,6 +241,8 @@ class Sm90FwdConfig:
             raise ValueError("masked_halves splits masked 128-key blocks of the overlapped persistent loop: it needs "
                              "tile_n 128, persistent, intra_wg_overlap without rescale_o_before_pv, and a causal mask "
                              "or a window")
+        if self.keep_vote and not self.lazy_rescale:
+            raise ValueError("keep_vote votes on the lazy rescale's kept references: it needs lazy_rescale")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16 (the k of P·V); got {self.tile_n}")
         if self.smem_bytes > SMEM_LIMIT:
@@ -275,6 +296,8 @@ class Sm90FwdConfig:
             flags.append("nopingpong")
         if not self.lazy_rescale:
             flags.append("eagerrescale")
+        if self.keep_vote:
+            flags.append("keepvote")
         if self.rescale_o_before_pv:
             flags.append("early_rescale")
         if self.persistent:
@@ -315,16 +338,17 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     # hardware's grid scheduler (benchmarks/ab_sm90_fwd.py on an H200, b2 x 8192 x 16 heads, hd128,
     # bf16: causal grid 604 TFLOP/s, persistent CTAs 544); persistent causal CTAs therefore take
     # their tiles from a counter (`tile_counter`). Persistent loops that spill stay on the grid:
-    # hd64 with softcap and a causal mask or a window (160 registers; with the lazy rescale causal
-    # with the counter spilled, and eager local with varlen still spills 16 B: both stay on the
-    # grid, the causal one not re-measured persistent) and hd96 with seqused_k (zeroing the V
-    # rows past it; 140 B).
+    # hd64 with softcap and a causal mask or a window (160 registers; causal with the counter
+    # spilled with the lazy rescale, and local with varlen spilled 16 B eager; both stay on the
+    # grid, not compiled persistent again since `keep_vote`) and hd96 with seqused_k (zeroing
+    # the V rows past it; 140 B).
     causal = flags.get("causal", False)
     masked = causal or flags.get("local", False)
     spills_persistent = ((masked and hd == 64 and flags.get("softcap", False))
                          or (max(hd, hdv) == 96 and flags.get("seqused_k", False)))
     flags.setdefault("persistent", tile.persistent and not spills_persistent)
     flags.setdefault("lazy_rescale", tile.lazy_rescale)
+    flags.setdefault("keep_vote", tile.keep_vote and flags["lazy_rescale"])
     flags.setdefault("tile_counter", flags["persistent"] and causal)
     flags.setdefault("late_take", flags["tile_counter"])
     # half blocks on 128-key tiles, in the persistent loop: on one CTA per tile (head dim 64 with
@@ -423,8 +447,7 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64),
                 make_config("bfloat16", 96, 96, seqused_k=True, causal=True),
                 make_config("bfloat16", 64, 64, local=True, softcap=True, varlen_q=True, varlen_k=True)]
-    # the other rescale (eager where the table is lazy, lazy at head dim 64), kept for
-    # benchmarks/ab_sm90_fwd.py
+    # the eager rescale (the table is lazy at every head dim), kept for benchmarks/ab_sm90_fwd.py
     configs += [make_config("bfloat16", d, d, causal=causal, lazy_rescale=not TILES[d].lazy_rescale)
                 for d in (64, 128, 256) for causal in (False, True)]
     # the other schedules where the table is persistent, for A/B (selfcheck's variants): one CTA
