@@ -89,8 +89,8 @@ class OnlineSoftmax:
             # monotone in m, so the test of the quad's maximum is the AND of the lanes' tests),
             # so a warp whose lanes all keep all their rows needs no shuffle: each row's
             # reference, maximum and sum stay, its factor is 1, and the exponentials follow with
-            # the same reference as in `lazy_probs` (bitwise the same result). Otherwise the
-            # warp takes `lazy_probs`.
+            # the same reference as in `quad_probs` (bitwise the same result). Otherwise the
+            # warp takes `quad_probs`.
             keep = True
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 lane_max = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
@@ -98,20 +98,24 @@ class OnlineSoftmax:
             if cute.arch.vote_all_sync(keep):
                 for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                     correction[r] = Float32(1.0)
-                    ref = self.row_max[r] * self.scale_log2
-                    row_sum = self.row_sum[r]
-                    for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                        p = exp2f(acc_S_mn[r, c] * self.scale_log2 - ref)
-                        acc_S_mn[r, c] = p
-                        row_sum += p
-                    self.row_sum[r] = row_sum
+                    self.row_sum[r] = self.exp_row(acc_S_mn, r, self.row_max[r] * self.scale_log2, self.row_sum[r])
             else:
-                self.lazy_probs(acc_S_mn, correction, is_first)
+                self.quad_probs(acc_S_mn, correction, is_first)
         else:
-            self.lazy_probs(acc_S_mn, correction, is_first)
+            self.quad_probs(acc_S_mn, correction, is_first)
 
     @cute.jit
-    def lazy_probs(self, acc_S_mn: cute.Tensor, correction: cute.Tensor, is_first: cutlass.Constexpr[bool]):
+    def exp_row(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], ref: Float32, row_sum: Float32) -> Float32:
+        """Row r of the (rows, columns) view -> 2^(s * scale_log2 - ref) in place; returns
+        `row_sum` plus them."""
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            p = exp2f(acc_S_mn[r, c] * self.scale_log2 - ref)
+            acc_S_mn[r, c] = p
+            row_sum += p
+        return row_sum
+
+    @cute.jit
+    def quad_probs(self, acc_S_mn: cute.Tensor, correction: cute.Tensor, is_first: cutlass.Constexpr[bool]):
         """`probs` on the (rows, columns) view, every row by its quad's maximum."""
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             row = acc_S_mn[r, None].load()
@@ -138,11 +142,7 @@ class OnlineSoftmax:
                     factor = Float32(1.0) if unit else factor
                 correction[r] = factor
                 row_sum = self.row_sum[r] * factor
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                p = exp2f(acc_S_mn[r, c] * self.scale_log2 - ref)
-                acc_S_mn[r, c] = p
-                row_sum += p
-            self.row_sum[r] = row_sum
+            self.row_sum[r] = self.exp_row(acc_S_mn, r, ref, row_sum)
             self.row_max[r] = new_max
 
     @cute.jit
