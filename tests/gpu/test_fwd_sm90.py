@@ -288,7 +288,7 @@ def test_sm90_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_
 def test_sm90_fwd_keep_vote_is_the_lazy_rescale_bit_for_bit(d, causal, softcap, seqlen_q, seqlen_k, growing_max):
     """`keep_vote` (a warp whose rows all keep their references skips the shuffles and selects)
     gives the lazy rescale's out and LSE bit for bit, on the configuration each call picks (with
-    the lazy rescale, eager at head dim 64 when shipped), and both match the oracle. The ramp
+    or without the vote as shipped), and both match the oracle. The ramp
     makes some blocks move a row's reference and others keep it; causal 1001 x 333 has rows that
     see no key."""
     torch.manual_seed(d + seqlen_k + growing_max)
