@@ -17,6 +17,10 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
 * `keepvote` (`keep_vote`, with the lazy rescale; `no keepvote` where shipped, head dims 64 and 96):
   each warp votes on whether all its rows keep their references, from its lanes' own maxima,
   and skips the max shuffles and the rescale's selects when they do;
+* `pvwait0` / `8` / `12` / `16` / `20` / `24` (`keepvote pvwaitK` where the keep vote is not
+  shipped; also on the K/V clusters, `cluster [grid] [keepvote] pvwaitK`): the keep vote with the P·V wait right after the vote's
+  branches, which then hold only a thread's first K exponentials (`pv_wait_at`), instead of all
+  of them before the wait;
 * with the tile counter (persistent causal calls), `stride` (a fixed stride over the tiles
   instead) and `late take` / `early take` (`late_take` flipped: the add that takes the next tile
   issued after or before the current tile's loads);
@@ -79,6 +83,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 HEADS = {64: 32, 96: 16, 128: 16, 192: 8, 256: 16}
+# `pv_wait_at` of the `pvwait` variants: exponentials before the P·V wait
+PV_WAITS = (0, 8, 12, 16, 20, 24)
 
 
 def variants(head_dim: int, causal: bool, only=None) -> list:
@@ -89,13 +95,21 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
     rescale = ("lazy", "eager") if shipped.lazy_rescale else ("eager", "lazy")
     # (no `keep_vote` without the lazy rescale)
-    other = replace(shipped, lazy_rescale=not shipped.lazy_rescale, keep_vote=False)
+    other = replace(shipped, lazy_rescale=not shipped.lazy_rescale, keep_vote=False, pv_wait_at=-1)
     out = [(rescale[0], shipped), (rescale[1], other)]
     # the lazy rescale with each warp's vote on whether its rows all keep their references
     if shipped.keep_vote:
-        out += [("no keepvote", replace(shipped, keep_vote=False))]
+        out += [("no keepvote", replace(shipped, keep_vote=False, pv_wait_at=-1))]
     else:
         out += [("keepvote", replace(shipped, lazy_rescale=True, keep_vote=True))]
+    # the keep vote with the P·V wait after the vote's branches, which hold the first K
+    # exponentials of a thread (the rest after the wait)
+    voting = shipped if shipped.keep_vote else replace(shipped, lazy_rescale=True, keep_vote=True)
+    prefix = "" if shipped.keep_vote else "keepvote "
+    out += [(f"{prefix}pvwait{k}", replace(voting, pv_wait_at=k)) for k in PV_WAITS
+            if k != shipped.pv_wait_at and _fits(voting, pv_wait_at=k)]
+    if shipped.pv_wait_at >= 0:  # the wait after the softmax, all exponentials in the branches
+        out += [("pvwait end", replace(shipped, pv_wait_at=-1))]
     if shipped.persistent:  # the one-tile-per-CTA grid
         out += [("grid", on_grid(shipped))]
     elif TILES[head_dim].persistent:  # persistent CTAs where the call does not ship them
@@ -122,11 +136,17 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     kv_label = "no keepvote" if shipped.keep_vote else "keepvote"
     if head_dim in (128, 192) and causal:  # causal K/V clusters on the one-CTA-per-tile grid
         cluster = replace(on_grid(shipped), cluster_kv=True)
-        out += [("cluster grid", cluster), (f"cluster grid {kv_label}", replace(cluster, keep_vote=not cluster.keep_vote))]
+        out += [("cluster grid", cluster), (f"cluster grid {kv_label}", toggle_vote(cluster))]
+        voting = replace(cluster, lazy_rescale=True, keep_vote=True)
+        out += [(f"cluster grid {'' if shipped.keep_vote else 'keepvote '}pvwait{k}", replace(voting, pv_wait_at=k))
+                for k in PV_WAITS if k != shipped.pv_wait_at and _fits(voting, pv_wait_at=k)]
     if head_dim in (128, 192) and shipped.pairs_query_blocks:
         # the K/V clusters that calls with an even number of query blocks take
         cluster = replace(shipped, cluster_kv=True)
-        out += [("cluster", cluster), (f"cluster {kv_label}", replace(cluster, keep_vote=not cluster.keep_vote))]
+        out += [("cluster", cluster), (f"cluster {kv_label}", toggle_vote(cluster))]
+        voting = replace(cluster, lazy_rescale=True, keep_vote=True)
+        out += [(f"cluster {'' if shipped.keep_vote else 'keepvote '}pvwait{k}", replace(voting, pv_wait_at=k))
+                for k in PV_WAITS if k != shipped.pv_wait_at and _fits(voting, pv_wait_at=k)]
     if head_dim == 96:  # the 128-row tile of two warpgroups, and 96 keys per block
         out += [("128x128", replace(shipped, tile_m=128, num_consumer_wgs=2, tile_n=128)),
                 ("n96", replace(shipped, tile_n=96))]
@@ -141,6 +161,13 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
             elif _fits(on_grid(shipped), tile_n=n, p_in_smem=True):
                 out += [(f"n{n} psmem grid", replace(on_grid(shipped), tile_n=n, p_in_smem=True))]
     return out if only is None else out[:1] + [(label, c) for label, c in out[1:] if label in only]
+
+
+def toggle_vote(config):
+    """`config` with the other `keep_vote` (the P·V wait after the softmax without it)."""
+    if config.keep_vote:
+        return replace(config, keep_vote=False, pv_wait_at=-1)
+    return replace(config, lazy_rescale=True, keep_vote=True)
 
 
 def _fits(config, **change) -> bool:

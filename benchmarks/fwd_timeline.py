@@ -132,7 +132,7 @@ def on_gpu(opts) -> None:
 
 
 def main(argv=None) -> int:
-    p = timeline_parser(__doc__.splitlines()[0], [64, 128, 256], "lazy_rescale=0,keep_vote=0")
+    p = timeline_parser(__doc__.splitlines()[0], [64, 128, 256], "lazy_rescale=0,keep_vote=0,pv_wait_at=-1")
     on_gpu(parse_timeline_args(p, argv))
     return 0
 

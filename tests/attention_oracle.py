@@ -135,7 +135,7 @@ def check_rescale_schedule(monkeypatch, backend, q, k, v, args: AttnArgs, growin
     def config(*a, **kw):
         picked = plain(*a, **kw)
         # the sm_90 forward's `keep_vote` votes on the lazy rescale's kept references
-        off = {} if lazy or not getattr(picked, "keep_vote", False) else {"keep_vote": False}
+        off = {} if lazy or not getattr(picked, "keep_vote", False) else {"keep_vote": False, "pv_wait_at": -1}
         return replace(picked, lazy_rescale=lazy, **off)
 
     monkeypatch.setattr(backend, "config", config)

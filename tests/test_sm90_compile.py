@@ -58,13 +58,17 @@ def test_sm90_config_rejects_impossible_choices():
 def test_sm90_shipped_tiles_rescale_lazily_and_keep_the_eager_variant_compiled(headdim, causal):
     config = fc.make_config("bfloat16", headdim, headdim, causal=causal)
     assert config.lazy_rescale
-    assert config.keep_vote == (headdim in (64, 96))
+    assert config.keep_vote == (headdim in (64, 96, 128))
+    # the P·V wait after 16 of a thread's exponentials, at head dim 128 (`pv_wait_at`)
+    assert config.pv_wait_at == (16 if headdim == 128 else -1)
+    assert fc.make_config("bfloat16", 128, 128, keep_vote=False).pv_wait_at == -1
+    assert fc.make_config("bfloat16", 128, 128, intra_wg_overlap=False).pv_wait_at == -1
     # a padded head dim takes its tile's rescale; an explicit choice wins, and the eager rescale
     # has no vote on kept references
     assert fc.make_config("bfloat16", 40, 40).keep_vote is True
     eager = fc.make_config("bfloat16", 64, 64, lazy_rescale=False)
     assert not eager.lazy_rescale and not eager.keep_vote
-    other = replace(config, lazy_rescale=False, keep_vote=False)
+    other = replace(config, lazy_rescale=False, keep_vote=False, pv_wait_at=-1)
     if headdim in (64, 128, 256):
         assert other in fc.shipped_configs()
     eager = [c for c in fc.shipped_configs() if not c.lazy_rescale]
@@ -335,6 +339,40 @@ def test_sm90_keep_vote_needs_the_lazy_rescale():
     assert lazy.lazy_rescale and "keepvote" in replace(lazy, keep_vote=True).name.split("_")
     with pytest.raises(ValueError, match="keep_vote"):
         replace(lazy, lazy_rescale=False, keep_vote=True)
+
+
+def test_sm90_pv_wait_at_needs_the_keep_vote():
+    """`pv_wait_at` places the P·V wait after the keep vote's branches: an A/B option of voting,
+    overlapped configurations, within a thread's tile_n / 2 exponentials, named in the kernel's name."""
+    voting = fc.make_config("bfloat16", 128, 128, keep_vote=True)
+    assert "pvwait8" in replace(voting, pv_wait_at=8).name.split("_")
+    for change in ({"keep_vote": False}, {"pv_wait_at": voting.tile_n // 2},
+                   {"intra_wg_overlap": False, "pingpong": False}):
+        with pytest.raises(ValueError, match="pv_wait_at"):
+            replace(voting, **{"pv_wait_at": 8, **change})
+
+
+@pytest.mark.parametrize("headdim,wait_at", [(128, 16), (96, 0)])
+def test_sm90_pv_wait_at_splits_the_exponentials_at_the_wait(headdim, wait_at, tmp_path):
+    """With `pv_wait_at` = K both branches of the vote hold a thread's first K exponentials (of
+    tile_n / 2) and the row factors' (one per row, on the path that moves references), and one
+    P·V wait follows them with the rest; without it the branches hold all of them. No spills.
+    Head dim 128 ships K = 16."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import loop_sass
+
+    voting = fc.make_config("bfloat16", headdim, headdim, keep_vote=True, pv_wait_at=-1)
+    per_thread, rows = voting.tile_n // 2, 2
+    if headdim == 128:
+        assert fc.make_config("bfloat16", headdim, headdim) == replace(voting, pv_wait_at=wait_at)
+    for config, in_branches in ((voting, per_thread), (replace(voting, pv_wait_at=wait_at), wait_at)):
+        body, _ = loop_sass.analyse(_clean_sass(config, tmp_path), headdim // 16 + config.tile_n // 16)
+        exps = sum("MUFU.EX2" in inst for inst in body)
+        assert exps == 2 * in_branches + (per_thread - in_branches) + rows, (config.name, exps)
+        assert sum("WARPGROUP.DEPBAR.LE gsb0, 0x0" in inst for inst in body) == 1, config.name
 
 
 @pytest.mark.parametrize("headdim,causal", [(64, False), (128, True)])

@@ -75,34 +75,57 @@ class OnlineSoftmax:
             self.rescale(acc_O, correction)
 
     @cute.jit
-    def probs(self, acc_S: cute.Tensor, correction: cute.Tensor, is_first: cutlass.Constexpr[bool]):
+    def probs(self, acc_S: cute.Tensor, correction: cute.Tensor, is_first: cutlass.Constexpr[bool],
+              midway=None, midway_at: cutlass.Constexpr[int] = 0):
         """acc_S -> probabilities in place; `correction[r]` is the factor that rescales row r of
         O for the new maxima (left untouched on the first block, when O holds nothing yet).
 
         Split from the rescale for WGMMA pipelines: on sm_90 the P·V GEMM of the previous key
         block may still be running on acc_O when the new maxima are known, and the registers of
         an in-flight WGMMA must not be touched, so `rescale_O` runs once that GEMM is waited for.
+
+        With the keep vote, `midway` (a Python callable, e.g. the wait for that GEMM) is traced
+        once after the vote's branches, which hold the thread's first `midway_at` exponentials
+        (row-major over its rows); the rest follow it, one code for both paths. ptxas moves
+        neither across the branches' merge, so this places the wait among the exponentials.
+        Without `midway` the branches hold all of them; without the vote `midway` follows the
+        exponentials.
         """
         acc_S_mn = acc_mn_view(acc_S)
         if cutlass.const_expr(self.keep_vote and not is_first):
             # A row keeps its reference iff every lane's part of it does ((prev - m) * scale is
             # monotone in m, so the test of the quad's maximum is the AND of the lanes' tests),
             # so a warp whose lanes all keep all their rows needs no shuffle: each row's
-            # reference, maximum and sum stay, its factor is 1, and the exponentials follow with
-            # the same reference as in `quad_probs` (bitwise the same result). Otherwise the
-            # warp takes `quad_probs`.
+            # reference, maximum and sum stay and its factor is 1, as in `quad_row` (bitwise the
+            # same result). Otherwise the warp takes `quad_row`.
+            num_rows = cute.size(acc_S_mn, mode=[0])
+            num_exps = num_rows * cute.size(acc_S_mn, mode=[1])
+            in_branches = num_exps if cutlass.const_expr(midway is None) else midway_at
+            lane_max = cute.make_rmem_tensor(num_rows, Float32)
             keep = True
+            for r in cutlass.range_constexpr(num_rows):
+                lane_max[r] = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+                keep = keep & ((self.row_max[r] - lane_max[r]) * self.scale_log2 >= -self.rescale_threshold)
+            refs = cute.make_rmem_tensor(num_rows, Float32)
+            if cute.arch.vote_all_sync(keep):
+                for r in cutlass.range_constexpr(num_rows):
+                    correction[r] = Float32(1.0)
+                    refs[r] = self.row_max[r] * self.scale_log2
+                self.exp_span(acc_S_mn, refs, 0, in_branches)
+            else:
+                for r in cutlass.range_constexpr(num_rows):
+                    refs[r], self.row_sum[r] = self.quad_row(r, lane_max[r], correction, is_first)
+                self.exp_span(acc_S_mn, refs, 0, in_branches)
+            if cutlass.const_expr(midway is not None):
+                midway()
+                self.exp_span(acc_S_mn, refs, in_branches, num_exps)
+        else:
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 lane_max = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-                keep = keep & ((self.row_max[r] - lane_max) * self.scale_log2 >= -self.rescale_threshold)
-            if cute.arch.vote_all_sync(keep):
-                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                    correction[r] = Float32(1.0)
-                    self.row_sum[r] = self.exp_row(acc_S_mn, r, self.row_max[r] * self.scale_log2, self.row_sum[r])
-            else:
-                self.quad_probs(acc_S_mn, correction, is_first)
-        else:
-            self.quad_probs(acc_S_mn, correction, is_first)
+                ref, row_sum = self.quad_row(r, lane_max, correction, is_first)
+                self.row_sum[r] = self.exp_row(acc_S_mn, r, ref, row_sum)
+            if cutlass.const_expr(midway is not None):
+                midway()
 
     @cute.jit
     def exp_row(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], ref: Float32, row_sum: Float32) -> Float32:
@@ -115,35 +138,49 @@ class OnlineSoftmax:
         return row_sum
 
     @cute.jit
-    def quad_probs(self, acc_S_mn: cute.Tensor, correction: cute.Tensor, is_first: cutlass.Constexpr[bool]):
-        """`probs` on the (rows, columns) view, every row by its quad's maximum."""
+    def exp_span(self, acc_S_mn: cute.Tensor, refs: cute.Tensor, start: cutlass.Constexpr[int],
+                 stop: cutlass.Constexpr[int]):
+        """`exp_row` over the thread's exponentials start..stop - 1 (row-major; row r by
+        `refs[r]`), adding them to the rows' sums in `row_sum`."""
+        num_cols = cute.size(acc_S_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-            row = acc_S_mn[r, None].load()
-            new_max = quad_allreduce(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), fmax)
-            prev_max = self.row_max[r]
-            if cutlass.const_expr(not is_first):
-                new_max = fmax(prev_max, new_max)
-            ref_max = 0.0 if new_max == -Float32.inf else new_max
-            ref = ref_max * self.scale_log2
-            row_sum = Float32(0.0)
-            if cutlass.const_expr(not is_first):
-                # The factor before the exponentials: O's rescale then depends only on the row
-                # max, so it need not wait for the exp loop at the tail of the block.
-                factor = rescale_factor(prev_max, ref_max, self.scale_log2)
-                if cutlass.const_expr(self.rescale_threshold > 0.0):
-                    # false for a -inf prev_max (the product is -inf) and for NaN
-                    keep = (prev_max - ref_max) * self.scale_log2 >= -self.rescale_threshold
-                    ref_max = prev_max if keep else ref_max
-                    ref = ref_max * self.scale_log2
-                    new_max = prev_max if keep else new_max
-                    # A row with nothing accumulated yet (prev_max -inf: its O and sum are 0)
-                    # needs no rescale either, so that it does not force its warp's.
-                    unit = keep | (prev_max == -Float32.inf)
-                    factor = Float32(1.0) if unit else factor
-                correction[r] = factor
-                row_sum = self.row_sum[r] * factor
-            self.row_sum[r] = self.exp_row(acc_S_mn, r, ref, row_sum)
-            self.row_max[r] = new_max
+            for c in cutlass.range_constexpr(num_cols):
+                if cutlass.const_expr(start <= r * num_cols + c < stop):
+                    p = exp2f(acc_S_mn[r, c] * self.scale_log2 - refs[r])
+                    acc_S_mn[r, c] = p
+                    self.row_sum[r] = self.row_sum[r] + p
+
+    @cute.jit
+    def quad_row(self, r: cutlass.Constexpr[int], lane_max: Float32, correction: cute.Tensor,
+                 is_first: cutlass.Constexpr[bool]):
+        """Row r's new maximum from its quad (`lane_max`: this lane's part of it), its factor in
+        `correction[r]` (not on the first block); returns the row's exp reference and its sum
+        rescaled, for `exp_row`."""
+        new_max = quad_allreduce(lane_max, fmax)
+        prev_max = self.row_max[r]
+        if cutlass.const_expr(not is_first):
+            new_max = fmax(prev_max, new_max)
+        ref_max = 0.0 if new_max == -Float32.inf else new_max
+        ref = ref_max * self.scale_log2
+        row_sum = Float32(0.0)
+        if cutlass.const_expr(not is_first):
+            # The factor before the exponentials: O's rescale then depends only on the row
+            # max, so it need not wait for the exp loop at the tail of the block.
+            factor = rescale_factor(prev_max, ref_max, self.scale_log2)
+            if cutlass.const_expr(self.rescale_threshold > 0.0):
+                # false for a -inf prev_max (the product is -inf) and for NaN
+                keep = (prev_max - ref_max) * self.scale_log2 >= -self.rescale_threshold
+                ref_max = prev_max if keep else ref_max
+                ref = ref_max * self.scale_log2
+                new_max = prev_max if keep else new_max
+                # A row with nothing accumulated yet (prev_max -inf: its O and sum are 0)
+                # needs no rescale either, so that it does not force its warp's.
+                unit = keep | (prev_max == -Float32.inf)
+                factor = Float32(1.0) if unit else factor
+            correction[r] = factor
+            row_sum = self.row_sum[r] * factor
+        self.row_max[r] = new_max
+        return ref, row_sum
 
     @cute.jit
     def rescale(self, acc_O: cute.Tensor, correction: cute.Tensor):

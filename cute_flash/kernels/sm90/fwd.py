@@ -874,10 +874,12 @@ class FlashFwdSm90(TimelineCounters):
         tick = self.tick(phases, 3, tick)
         pipeline_k.consumer_release(kv_s)
         self.scores_to_probs(acc_S, n_block, False, False, mask_causal, mask_local,
-                             softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
+                             softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
+                             self.pv_wait_midway())
         tick = self.tick(phases, 4, tick)
         if cutlass.const_expr(cfg.intra_wg_overlap):
-            warpgroup.wait_group(0)  # P·V is done with rP and acc_O
+            if cutlass.const_expr(cfg.pv_wait_at < 0):
+                warpgroup.wait_group(0)  # P·V is done with rP and acc_O
             pipeline_v.consumer_release(kv)
         tick = self.tick(phases, 5, tick)
         if cutlass.const_expr(cfg.rescale_o_before_pv):
@@ -926,9 +928,11 @@ class FlashFwdSm90(TimelineCounters):
         tick = self.tick(phases, 3, tick)
         pipeline_k.consumer_release(kv_s)
         self.scores_to_probs(acc_S, n_block, False, False, mask_causal, mask_local,
-                             softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale)
+                             softmax, correction, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
+                             self.pv_wait_midway())
         tick = self.tick(phases, 4, tick)
-        warpgroup.wait_group(0)  # P·V is done with rP and acc_O
+        if cutlass.const_expr(cfg.pv_wait_at < 0):
+            warpgroup.wait_group(0)  # P·V is done with rP and acc_O
         pipeline_v.consumer_release(kv)
         tick = self.tick(phases, 5, tick)
         self.rescale_O_and_store_P(softmax, acc_O, correction, acc_S, rP)
@@ -1118,21 +1122,29 @@ class FlashFwdSm90(TimelineCounters):
                 else:
                     warpgroup.commit_group()
 
+    def pv_wait_midway(self):
+        """With `pv_wait_at`, the P·V wait that `OnlineSoftmax.probs` issues among the block's
+        exponentials (on every path of it); None otherwise."""
+        if self.cfg.pv_wait_at < 0:
+            return None
+        return lambda: warpgroup.wait_group(0)  # P·V is done with rP and acc_O
+
     @cute.jit
     def scores_to_probs(
         self, acc_S, n_block, is_first: cutlass.Constexpr, mask_seqlen: cutlass.Constexpr,
         mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr,
         softmax: OnlineSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
-        softcap_prescale,
+        softcap_prescale, midway=None,
     ):
-        """Soft-cap, mask and exponentiate S in place (fp32), leaving O's correction factors."""
+        """Soft-cap, mask and exponentiate S in place (fp32), leaving O's correction factors
+        (`midway`: `OnlineSoftmax.probs`)."""
         if cutlass.const_expr(self.cfg.softcap):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[i] = tanhf(acc_S[i] * softcap_prescale)
         acc_S_mma = acc_as_mma_sync(acc_S)
         if cutlass.const_expr(mask_seqlen or mask_causal or mask_local):
             mask.apply(acc_S_mma, tScS_mn, t0ScS_mn, m_block, n_block, mask_seqlen, mask_causal, mask_local)
-        softmax.probs(acc_S_mma, correction, is_first)
+        softmax.probs(acc_S_mma, correction, is_first, midway, self.cfg.pv_wait_at)
 
     # ------------------------------------------------------------------------------------------
     # epilogue

@@ -58,7 +58,7 @@ eager, 435 lazy): eager ran 0.1-2.5 % faster in 11 of 12 cells of two runs (32 h
 8 x 2048 and 1 x 16384, causal and not, five interleaved rounds each), so hd 64 rescaled eagerly
 until `keep_vote` took those selects off the common path (below).
 
-`keep_vote` (head dims 64 and 96): with the lazy rescale, each warp first tests every row of
+`keep_vote` (head dims 64, 96 and 128): with the lazy rescale, each warp first tests every row of
 its lanes against the row's kept reference, from the lane's own maximum, and votes; when all
 keep (most blocks), the rows skip the quad's max shuffles, the factor's exponential and the
 selects, and only when one moves its reference does the warp take the lazy rescale's full path.
@@ -72,6 +72,21 @@ the shipped kernel before first): hd 64 2 x 8192 524.0 / 534.1, causal 492.0 / 5
 128 it was slower in every case (2 x 8192 644.1 / 635.1, with the K/V clusters that calls take
 666.2 / 639.1, causal clusters 620.0 / 615.8; 1 x 16384 clusters 674.1 / 655.6) and at 192 and
 256 within the rounds' spread (-1.3 % to +1.8 %), so it is off there.
+
+`pv_wait_at` (head dim 128, 16): with the vote's branches, ptxas kept the wait for the P·V GEMM
+in flight below their merge, after all of a block's exponentials, where the lazy rescale's
+single path had it after 17 of them; with all exponentials after the branches it went before
+them. So at 128 the branches hold a thread's first 16 of its 64 exponentials, the wait follows
+their merge and the other 48 follow the wait, one code for both paths (the row sums are then
+added in two blocks, which may round the LSE differently by an ulp or two; the output matched
+bitwise in the tests' cases). On an H200 (`benchmarks/ab_sm90_fwd.py --head-dims 128 --rounds 7
+--variants "no keepvote,cluster,cluster no keepvote"`, bf16, 16 heads, medians, TFLOP/s, against
+the lazy rescale without the vote): 2 x 8192 654.5 / 642.4, with the K/V clusters 662.7 / 666.1;
+8 x 2048 592.7 / 592.3, clusters 615.7 / 613.1; 1 x 16384 660.4 / 652.6, clusters 678.2 / 665.3;
+causal 2 x 8192 619.7 / 614.9, causal clusters 626.1 / 617.3; in two earlier runs (three and five
+rounds) 16 exponentials before the wait led 0, 8, 12, 20 and 24 at 128 in most cases. At 64 and
+96 (0 to 16 before the wait) and at 192 and 256 (as `keepvote pvwaitK`) no placement led the
+shipped kernels beyond the rounds' spread.
 
 `masked_halves` (causal calls on 128-key blocks in the persistent loop: head dims 64 and 128,
 but not on one CTA per tile -- head dim 64 with softcap, the causal K/V clusters -- where ptxas
@@ -118,12 +133,13 @@ class Tile(NamedTuple):
     persistent: bool = False  # one CTA per SM walking the tiles (Q and O apart in shared memory)
     lazy_rescale: bool = True  # see `Sm90FwdConfig.lazy_rescale` and the module docstring
     keep_vote: bool = False  # with the lazy rescale: see `Sm90FwdConfig.keep_vote`
+    pv_wait_at: int = -1  # with the keep vote (and the overlap): see `Sm90FwdConfig.pv_wait_at`
 
 
 TILES = {
     64: Tile(192, 128, 3, 2, True, persistent=True, keep_vote=True),
     96: Tile(192, 112, 3, 2, True, persistent=True, keep_vote=True),
-    128: Tile(128, 128, 2, 2, True, persistent=True),
+    128: Tile(128, 128, 2, 2, True, persistent=True, keep_vote=True, pv_wait_at=16),
     192: Tile(128, 96, 2, 2, True),
     256: Tile(128, 64, 2, 2, False),
 }
@@ -216,6 +232,12 @@ class Sm90FwdConfig:
     # from its lanes' own maxima, and then skips the rows' max shuffles and the rescale's
     # selects (`OnlineSoftmax.keep_vote`; bitwise the same output)
     keep_vote: bool = False
+    # With `keep_vote` and the intra-warpgroup overlap (A/B only; `make_config` never sets it,
+    # -1): the wait for the P·V GEMM in flight issued after the thread's first `pv_wait_at` of
+    # its tile_n / 2 exponentials of each key block, which the vote's branches then hold (the
+    # rest follow the wait, one code for both paths), instead of after the softmax (-1, the
+    # branches holding all of them). ptxas moves the wait up to the branches' merge, not across.
+    pv_wait_at: int = -1
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -243,6 +265,11 @@ class Sm90FwdConfig:
                              "or a window")
         if self.keep_vote and not self.lazy_rescale:
             raise ValueError("keep_vote votes on the lazy rescale's kept references: it needs lazy_rescale")
+        if self.pv_wait_at >= 0 and not (self.keep_vote and self.intra_wg_overlap
+                                         and self.pv_wait_at < self.tile_n // 2):
+            raise ValueError(f"pv_wait_at places the overlapped loop's P·V wait after the keep vote's branches, among "
+                             f"a thread's {self.tile_n // 2} exponentials: it needs keep_vote, intra_wg_overlap and "
+                             f"0 <= pv_wait_at < {self.tile_n // 2}; got {self.pv_wait_at}")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16 (the k of P·V); got {self.tile_n}")
         if self.smem_bytes > SMEM_LIMIT:
@@ -298,6 +325,8 @@ class Sm90FwdConfig:
             flags.append("eagerrescale")
         if self.keep_vote:
             flags.append("keepvote")
+        if self.pv_wait_at >= 0:
+            flags.append(f"pvwait{self.pv_wait_at}")
         if self.rescale_o_before_pv:
             flags.append("early_rescale")
         if self.persistent:
@@ -349,6 +378,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     flags.setdefault("persistent", tile.persistent and not spills_persistent)
     flags.setdefault("lazy_rescale", tile.lazy_rescale)
     flags.setdefault("keep_vote", tile.keep_vote and flags["lazy_rescale"])
+    flags.setdefault("pv_wait_at", tile.pv_wait_at if flags["keep_vote"] and flags.get("intra_wg_overlap", True) else -1)
     flags.setdefault("tile_counter", flags["persistent"] and causal)
     flags.setdefault("late_take", flags["tile_counter"])
     # half blocks on 128-key tiles, in the persistent loop: on one CTA per tile (head dim 64 with

@@ -30,7 +30,7 @@ BACKEND = CuteSm90Backend()
 VARIANTS = {
     "pingpong": dict(intra_wg_overlap=True, pingpong=True),
     "overlap": dict(intra_wg_overlap=True, pingpong=False),
-    "serial": dict(intra_wg_overlap=False, pingpong=False, masked_halves=False),
+    "serial": dict(intra_wg_overlap=False, pingpong=False, masked_halves=False, pv_wait_at=-1),
     # the configuration's own schedule on a persistent grid (where Q and O fit apart) with tiles
     # by a fixed stride and from the tile counter, and on one CTA per tile
     "persist": dict(persistent=True, tile_counter=False, late_take=False),
