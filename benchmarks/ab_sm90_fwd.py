@@ -1,5 +1,5 @@
 """A/B of the sm_90 forward's softmax schedule: the shipped kernels (lazy rescale, with the keep
-vote at head dims 64 and 96) against the eager rescale, next to flash-attn-4.
+vote at head dims 64, 96 and 128) against the eager rescale, next to flash-attn-4.
 
     python benchmarks/ab_sm90_fwd.py                      # GPU: check, then time every case
     python benchmarks/ab_sm90_fwd.py --head-dims 128 --causal-only
@@ -14,13 +14,14 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   keeps its exp reference while its max grows by at most 8 in log2 units, and a warp skips O's
   rescale when none of its rows changed reference; `eager` (`lazy_rescale=False`): every block
   moves the reference and rescales O;
-* `keepvote` (`keep_vote`, with the lazy rescale; `no keepvote` where shipped, head dims 64 and 96):
+* `keepvote` (`keep_vote`, with the lazy rescale; `no keepvote` where shipped, head dims 64, 96 and 128):
   each warp votes on whether all its rows keep their references, from its lanes' own maxima,
   and skips the max shuffles and the rescale's selects when they do;
 * `pvwait0` / `8` / `12` / `16` / `20` / `24` (`keepvote pvwaitK` where the keep vote is not
-  shipped; also on the K/V clusters, `cluster [grid] [keepvote] pvwaitK`): the keep vote with the P·V wait right after the vote's
-  branches, which then hold only a thread's first K exponentials (`pv_wait_at`), instead of all
-  of them before the wait;
+  shipped; also on the K/V clusters, `cluster [grid] [keepvote] pvwaitK`; the shipped K left
+  out): the keep vote with the P·V wait right after the vote's branches, which then hold only a
+  thread's first K exponentials (`pv_wait_at`); `pvwait end` where a K is shipped (head dim 128):
+  the wait after the softmax, all exponentials in the branches;
 * with the tile counter (persistent causal calls), `stride` (a fixed stride over the tiles
   instead) and `late take` / `early take` (`late_take` flipped: the add that takes the next tile
   issued after or before the current tile's loads);
@@ -39,7 +40,7 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   past its own go unread);
 * at head dims 128 and 192 without a mask: `cluster`, the K/V clusters, which `cute_flash.forward`
   takes where a call has an even number of query blocks; both cluster variants also with the
-  other `keep_vote` (`cluster keepvote`, `cluster grid keepvote`);
+  other `keep_vote` (`cluster [no] keepvote`, `cluster grid [no] keepvote`);
 * at head dim 96: `128x128` (two consumer warpgroups on 128 x 128, its tile before the three
   warpgroups of 192 rows) and `n96` (96 keys per block);
 * at head dims 64 and 96: `psmem` (`p_in_smem`: P·V reads P from shared memory) on the shipped

@@ -232,11 +232,12 @@ class Sm90FwdConfig:
     # from its lanes' own maxima, and then skips the rows' max shuffles and the rescale's
     # selects (`OnlineSoftmax.keep_vote`; bitwise the same output)
     keep_vote: bool = False
-    # With `keep_vote` and the intra-warpgroup overlap (A/B only; `make_config` never sets it,
-    # -1): the wait for the P·V GEMM in flight issued after the thread's first `pv_wait_at` of
-    # its tile_n / 2 exponentials of each key block, which the vote's branches then hold (the
-    # rest follow the wait, one code for both paths), instead of after the softmax (-1, the
-    # branches holding all of them). ptxas moves the wait up to the branches' merge, not across.
+    # With `keep_vote` and the intra-warpgroup overlap (make_config: per tile, `Tile`; 16 at head
+    # dim 128, -1 elsewhere): the wait for the P·V GEMM in flight issued after the thread's first
+    # `pv_wait_at` of its tile_n / 2 exponentials of each key block, which the vote's branches
+    # then hold (the rest follow the wait, one code for both paths), instead of after the softmax
+    # (-1, the branches holding all of them). ptxas moves the wait up to the branches' merge, not
+    # across (module docstring).
     pv_wait_at: int = -1
 
     def __post_init__(self):
