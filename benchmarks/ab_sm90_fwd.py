@@ -91,24 +91,21 @@ PV_WAITS = (0, 8, 12, 16, 20, 24)
 def variants(head_dim: int, causal: bool, only=None) -> list:
     """(label, config) of the cute variants of one case, the shipped one first; `only`: the labels
     to keep besides the shipped one (all where None)."""
-    from cute_flash.kernels.sm90.fwd_config import TILES, make_config, on_grid
+    from cute_flash.kernels.sm90.fwd_config import NO_KEEP_VOTE, TILES, make_config, on_grid
 
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
     rescale = ("lazy", "eager") if shipped.lazy_rescale else ("eager", "lazy")
     # (no `keep_vote` without the lazy rescale)
-    other = replace(shipped, lazy_rescale=not shipped.lazy_rescale, keep_vote=False, pv_wait_at=-1)
+    other = replace(shipped, lazy_rescale=not shipped.lazy_rescale, **NO_KEEP_VOTE)
     out = [(rescale[0], shipped), (rescale[1], other)]
     # the lazy rescale with each warp's vote on whether its rows all keep their references
     if shipped.keep_vote:
-        out += [("no keepvote", replace(shipped, keep_vote=False, pv_wait_at=-1))]
+        out += [("no keepvote", replace(shipped, **NO_KEEP_VOTE))]
     else:
         out += [("keepvote", replace(shipped, lazy_rescale=True, keep_vote=True))]
     # the keep vote with the P·V wait after the vote's branches, which hold the first K
     # exponentials of a thread (the rest after the wait)
-    voting = shipped if shipped.keep_vote else replace(shipped, lazy_rescale=True, keep_vote=True)
-    prefix = "" if shipped.keep_vote else "keepvote "
-    out += [(f"{prefix}pvwait{k}", replace(voting, pv_wait_at=k)) for k in PV_WAITS
-            if k != shipped.pv_wait_at and _fits(voting, pv_wait_at=k)]
+    out += pv_waits("", shipped, shipped)
     if shipped.pv_wait_at >= 0:  # the wait after the softmax, all exponentials in the branches
         out += [("pvwait end", replace(shipped, pv_wait_at=-1))]
     if shipped.persistent:  # the one-tile-per-CTA grid
@@ -138,16 +135,12 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if head_dim in (128, 192) and causal:  # causal K/V clusters on the one-CTA-per-tile grid
         cluster = replace(on_grid(shipped), cluster_kv=True)
         out += [("cluster grid", cluster), (f"cluster grid {kv_label}", toggle_vote(cluster))]
-        voting = replace(cluster, lazy_rescale=True, keep_vote=True)
-        out += [(f"cluster grid {'' if shipped.keep_vote else 'keepvote '}pvwait{k}", replace(voting, pv_wait_at=k))
-                for k in PV_WAITS if k != shipped.pv_wait_at and _fits(voting, pv_wait_at=k)]
+        out += pv_waits("cluster grid ", cluster, shipped)
     if head_dim in (128, 192) and shipped.pairs_query_blocks:
         # the K/V clusters that calls with an even number of query blocks take
         cluster = replace(shipped, cluster_kv=True)
         out += [("cluster", cluster), (f"cluster {kv_label}", toggle_vote(cluster))]
-        voting = replace(cluster, lazy_rescale=True, keep_vote=True)
-        out += [(f"cluster {'' if shipped.keep_vote else 'keepvote '}pvwait{k}", replace(voting, pv_wait_at=k))
-                for k in PV_WAITS if k != shipped.pv_wait_at and _fits(voting, pv_wait_at=k)]
+        out += pv_waits("cluster ", cluster, shipped)
     if head_dim == 96:  # the 128-row tile of two warpgroups, and 96 keys per block
         out += [("128x128", replace(shipped, tile_m=128, num_consumer_wgs=2, tile_n=128)),
                 ("n96", replace(shipped, tile_n=96))]
@@ -166,9 +159,21 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
 
 def toggle_vote(config):
     """`config` with the other `keep_vote` (the P·V wait after the softmax without it)."""
+    from cute_flash.kernels.sm90.fwd_config import NO_KEEP_VOTE
+
     if config.keep_vote:
-        return replace(config, keep_vote=False, pv_wait_at=-1)
+        return replace(config, **NO_KEEP_VOTE)
     return replace(config, lazy_rescale=True, keep_vote=True)
+
+
+def pv_waits(label: str, config, shipped) -> list:
+    """The `pvwaitK` variants of `config` (labelled `label` [`keepvote `] `pvwaitK`): the keep
+    vote with the P·V wait after its branches, which hold a thread's first K exponentials, for
+    the K of `PV_WAITS` that fit, bar the one `shipped` takes."""
+    voting = config if config.keep_vote else replace(config, lazy_rescale=True, keep_vote=True)
+    label += "" if shipped.keep_vote else "keepvote "
+    return [(f"{label}pvwait{k}", replace(voting, pv_wait_at=k)) for k in PV_WAITS
+            if k != shipped.pv_wait_at and _fits(voting, pv_wait_at=k)]
 
 
 def _fits(config, **change) -> bool:

@@ -56,7 +56,7 @@ def parse_candidate(spec: str, arch: str) -> dict:
     if m.group(6):
         fields.update(lazy_rescale=m.group(6) == "-lazy")
         if arch == "sm_90a" and m.group(6) == "-eager":
-            fields.update(keep_vote=False, pv_wait_at=-1)  # it votes on the lazy rescale's kept references
+            fields.update(config_module(arch).NO_KEEP_VOTE)  # it votes on the lazy rescale's kept references
     return fields
 
 

@@ -19,6 +19,7 @@ import torch
 
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention, reference_attention_backward
+from cute_flash.kernels.sm90.fwd_config import NO_KEEP_VOTE
 
 ATOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 1e-5}
 
@@ -135,7 +136,7 @@ def check_rescale_schedule(monkeypatch, backend, q, k, v, args: AttnArgs, growin
     def config(*a, **kw):
         picked = plain(*a, **kw)
         # the sm_90 forward's `keep_vote` votes on the lazy rescale's kept references
-        off = {} if lazy or not getattr(picked, "keep_vote", False) else {"keep_vote": False, "pv_wait_at": -1}
+        off = {} if lazy or not getattr(picked, "keep_vote", False) else NO_KEEP_VOTE
         return replace(picked, lazy_rescale=lazy, **off)
 
     monkeypatch.setattr(backend, "config", config)

@@ -68,7 +68,7 @@ def test_sm90_shipped_tiles_rescale_lazily_and_keep_the_eager_variant_compiled(h
     assert fc.make_config("bfloat16", 40, 40).keep_vote is True
     eager = fc.make_config("bfloat16", 64, 64, lazy_rescale=False)
     assert not eager.lazy_rescale and not eager.keep_vote
-    other = replace(config, lazy_rescale=False, keep_vote=False, pv_wait_at=-1)
+    other = replace(config, lazy_rescale=False, **fc.NO_KEEP_VOTE)
     if headdim in (64, 128, 256):
         assert other in fc.shipped_configs()
     eager = [c for c in fc.shipped_configs() if not c.lazy_rescale]

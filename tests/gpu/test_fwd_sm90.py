@@ -19,7 +19,7 @@ from attention_oracle import (
     randn_in_nan, run_forward, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
-from cute_flash.kernels.sm90.fwd_config import ON_GRID, on_grid
+from cute_flash.kernels.sm90.fwd_config import NO_KEEP_VOTE, ON_GRID, on_grid
 
 pytestmark = pytest.mark.gpu
 
@@ -303,7 +303,7 @@ def test_sm90_fwd_keep_vote_is_the_lazy_rescale_bit_for_bit(d, causal, softcap, 
         grow_row_max(q, k, args)
     backend = _backend()
     lse = torch.empty((2, 4, seqlen_q), dtype=torch.float32, device="cuda")
-    base = replace(backend.config(q, k, v, lse, args), lazy_rescale=True, keep_vote=False, pv_wait_at=-1)
+    base = replace(backend.config(q, k, v, lse, args), lazy_rescale=True, **NO_KEEP_VOTE)
     results = []
     configs = [base, replace(base, keep_vote=True)]
     if base.intra_wg_overlap:

@@ -438,6 +438,10 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
 ON_GRID = dict(persistent=False, tile_counter=False, late_take=False, masked_halves=False)
 
 
+# The fields that turn the keep vote off: the vote, and the P·V wait placed after its branches
+NO_KEEP_VOTE = dict(keep_vote=False, pv_wait_at=-1)
+
+
 def on_grid(config: Sm90FwdConfig) -> Sm90FwdConfig:
     """`config` on one CTA per tile: without the persistent loop, and so without its tile counter
     and its half blocks (`masked_halves`)."""
