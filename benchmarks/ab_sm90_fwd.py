@@ -38,7 +38,7 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
 * at head dims 128 and 192 with a causal mask: `cluster grid`, K/V clusters of two CTAs on one
   CTA per tile (each CTA walks the key blocks of the cluster's later query block, letting those
   past its own go unread);
-* at head dims 128 and 192 without a mask: `cluster`, the K/V clusters, which `cute_flash.forward`
+* at head dims 64 to 192 without a mask: `cluster`, the K/V clusters, which `cute_flash.forward`
   takes where a call has an even number of query blocks; both cluster variants also with the
   other `keep_vote` (`cluster [no] keepvote`, `cluster grid [no] keepvote`);
 * at head dim 96: `128x128` (two consumer warpgroups on 128 x 128, its tile before the three
@@ -56,8 +56,9 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
 
 As in `tune_tiles.py`, a variant is first checked against the float32 reference (out by the
 benchmark's tolerance rule, LSE to 1e-3 where finite and -inf where the row sees no key) on small
-problems chosen to exercise the rescale: 2 x 461/1001 x 2 heads of random data (461 queries: an
-even number of 128-row query blocks, as the K/V clusters pair them, with a tail); the same with
+problems chosen to exercise the rescale: 2 x 701/1001 x 2 heads of random data (701 queries: an
+even number of 128- and of 192-row query blocks, as the K/V clusters pair them, with a tail;
+1001 for the causal case below too); the same with
 a ramp that makes every row's max grow by ~5 (log2 units) per key block, so that some blocks keep
 the reference and others move it; and, when causal, 1001 queries over 333 keys, whose first 668
 rows see no key (out 0, LSE -inf). A wrong variant is reported and not timed. Then
@@ -136,8 +137,8 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
         cluster = replace(on_grid(shipped), cluster_kv=True)
         out += [("cluster grid", cluster), (f"cluster grid {kv_label}", toggle_vote(cluster))]
         out += pv_waits("cluster grid ", cluster, shipped)
-    if head_dim in (128, 192) and shipped.pairs_query_blocks:
-        # the K/V clusters that calls with an even number of query blocks take
+    if shipped.pairs_query_blocks and shipped.tile_n >= 96:
+        # the K/V clusters that calls with an even number of query blocks take (`with_cluster_kv`)
         cluster = replace(shipped, cluster_kv=True)
         out += [("cluster", cluster), (f"cluster {kv_label}", toggle_vote(cluster))]
         out += pv_waits("cluster ", cluster, shipped)
@@ -214,15 +215,15 @@ def check_problems(d: int, causal: bool, dtype):
         return torch.randn(*shape, dtype=torch.float32, device="cuda", generator=g)
 
     out = []
-    q, k, v = randn(2, 461, 2, d), randn(2, 1001, 2, d), randn(2, 1001, 2, d)
-    out.append(("random 461/1001", q, k, v))
+    q, k, v = randn(2, 701, 2, d), randn(2, 1001, 2, d), randn(2, 1001, 2, d)
+    out.append(("random 701/1001", q, k, v))
     # Scores (in log2 units: q0 * k0 * scale * log2(e), q0 = 8) grow by 5 per 128-key block towards
     # key 0, as the kernels visit key blocks from the last one down.
     ramp = torch.linspace(5.0 * 1001 / 128, 0.0, 1001, device="cuda") / (8 * d ** -0.5 * math.log2(math.e))
     q2, k2 = q.clone(), k.clone()
     q2[..., 0] = 8.0
     k2[..., 0] = ramp[None, :, None]
-    out.append(("growing max 461/1001", q2, k2, v))
+    out.append(("growing max 701/1001", q2, k2, v))
     if causal:
         out.append(("empty rows 1001/333", randn(2, 1001, 2, d), randn(2, 333, 2, d), randn(2, 333, 2, d)))
     return [(name, *(t.to(dtype) for t in (q, k, v))) for name, q, k, v in out]

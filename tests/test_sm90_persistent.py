@@ -247,6 +247,22 @@ def test_kv_cluster_grid_is_pairs_of_ctas():
     assert persistent_schedule(config, small, small, AttnArgs(0.1), num_sms=132, num_clusters=2) == (4, 1)
 
 
+def test_kv_cluster_launch_refuses_an_odd_number_of_query_blocks():
+    """A cluster's two CTAs take neighbouring query blocks: a configuration with `cluster_kv` is
+    refused for a call whose last block would have no partner (`with_cluster_kv` never picks it,
+    but the A/B scripts build such configurations by hand)."""
+    backend = CuteSm90Backend()
+    config = fc.with_cluster_kv(fc.make_config("bfloat16", 64, 64), 6)
+    assert config.cluster_kv and config.tile_m == 192
+    odd = _q(2, 461, 4, 64)  # 3 query blocks of 192
+    with pytest.raises(ValueError, match="cluster_kv.*461.*odd number of 192-row blocks"):
+        backend.launch_extra(config, odd, odd, AttnArgs(0.1), backend.cache.args)
+    causal = fc.with_cluster_kv(fc.make_config("bfloat16", 128, 128, causal=True), 64)
+    assert causal.cluster_kv and not causal.persistent
+    with pytest.raises(ValueError, match="odd number of 128-row blocks"):
+        backend.launch_extra(causal, *[_q(1, 64 * 128 + 10, 2)] * 2, AttnArgs(0.1, causal=True), backend.cache.args)
+
+
 def test_max_active_clusters_is_none_where_the_driver_cannot_say():
     from cute_flash.backends.cute import max_active_clusters
 

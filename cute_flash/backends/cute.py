@@ -669,7 +669,12 @@ class CuteSm90Backend(_CuteBackend):
     def launch_extra(self, config, q, k, args: AttnArgs, a: KernelArgs) -> tuple:
         """The persistent grid's size (ignored by the one-CTA-per-tile kernels, which take it all
         the same), the tile order's section (`persistent_schedule`, `heads_per_section`) and,
-        with `tile_counter`, a zeroed int32 tile counter (`tile_counter`; None otherwise)."""
+        with `tile_counter`, a zeroed int32 tile counter (`tile_counter`; None otherwise).
+        Refuses a K/V-cluster configuration for an odd number of query blocks, which its CTA
+        pairs do not cover (`with_cluster_kv` never picks it)."""
+        if getattr(config, "cluster_kv", False) and -(-query_sizes(q, args)[1] // config.tile_m) % 2:
+            raise ValueError(f"config {config.name} pairs query blocks (cluster_kv), but seqlen_q "
+                             f"{query_sizes(q, args)[1]} makes an odd number of {config.tile_m}-row blocks")
         if not getattr(config, "persistent", False):
             return (a.i32(1), a.i32(heads_per_section(config, q, k, args)), None)
         counter = self.tile_counter(q.device) if config.tile_counter else None
