@@ -50,18 +50,19 @@ def instructions(sass: str) -> tuple[list, dict]:
     return insts, labels
 
 
-def _loop_span(insts: list, labels: dict, gemm_instructions: int) -> tuple[int, int]:
+def _loop_span(insts: list, labels: dict, gemm_instructions: int, gemm_op: str = "HGMMA") -> tuple[int, int]:
     """(first, last) instruction of the smallest loop holding exactly `gemm_instructions` HGMMAs (a
-    loop with more holds other GEMM variants too, such as `masked_halves`' 64-key ones)."""
+    loop with more holds other GEMM variants too, such as `masked_halves`' 64-key ones); `gemm_op`
+    "HMMA" for the sm_80 kernels' mma.sync."""
     loops = []
     for end, inst in enumerate(insts):
         m = _BRANCH.search(inst)
         start = labels.get(m.group(1)) if m else None
         if start is not None and start <= end:
-            if sum("HGMMA" in x for x in insts[start:end + 1]) == gemm_instructions:
+            if sum(gemm_op in x for x in insts[start:end + 1]) == gemm_instructions:
                 loops.append((end - start, start, end))
     if not loops:
-        raise ValueError(f"no loop with {gemm_instructions} HGMMAs in the SASS")
+        raise ValueError(f"no loop with {gemm_instructions} {gemm_op}s in the SASS")
     _, start, end = min(loops)
     return start, end
 
@@ -77,15 +78,15 @@ def path_lengths(sass: str, gemm_instructions: int, most: int = 64) -> list:
     return analyse(sass, gemm_instructions, most)[1]
 
 
-def analyse(sass: str, gemm_instructions: int, most: int = 64) -> tuple[list, list]:
-    """The smallest loop holding `gemm_instructions` HGMMAs, and the instructions issued by one
-    trip around it along each of its paths (sorted, distinct):
+def analyse(sass: str, gemm_instructions: int, most: int = 64, gemm_op: str = "HGMMA") -> tuple[list, list]:
+    """The smallest loop holding `gemm_instructions` HGMMAs (`gemm_op`: see `_loop_span`), and the
+    instructions issued by one trip around it along each of its paths (sorted, distinct):
     a predicated branch forward inside the loop forks the path (ptxas may duplicate code on both
     sides, so the loop's length overstates a trip), a branch out of it or back inside it is taken
     as not taken (the slow paths of a barrier wait; a loop inside it runs once), and the loop's
     own branch back ends the trip. Returns (the loop's instructions, those lengths)."""
     insts, labels = instructions(sass)
-    start, end = _loop_span(insts, labels, gemm_instructions)
+    start, end = _loop_span(insts, labels, gemm_instructions, gemm_op)
     lengths, todo = set(), [(start, 0)]
     while todo and len(lengths) < most:
         pos, count = todo.pop()

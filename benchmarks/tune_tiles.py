@@ -5,10 +5,11 @@
 
 A candidate is `MxN` + `wW` (sm_90a: consumer warpgroups; sm_80: warps) + `sS` (K/V stages),
 with `-nopp` to turn the sm_90 ping-pong off, `-lazy` / `-eager` to turn the lazy rescale
-on / off and `-grid` to run an sm_90 tile as one CTA per tile instead of persistent (Q and O then
-share shared memory, which leaves room for a third K/V stage at head dim 128) and `-psmem` to
-feed P·V its P from shared memory (`p_in_smem`), e.g. `128x176w2s2`, `192x128w3s2-nopp`,
-`128x64w4s2-eager`, `128x128w2s3-grid`, `192x128w3s2-psmem`. Every candidate is built
+on / off, `-grid` to run an sm_90 tile as one CTA per tile instead of persistent (Q and O then
+share shared memory, which leaves room for a third K/V stage at head dim 128), `-psmem` to
+feed P·V its P from shared memory (`p_in_smem`) and `-vote` / `-novote` to turn the keep vote
+on (with the lazy rescale) / off, e.g. `128x176w2s2`, `192x128w3s2-nopp`, `128x64w4s2-eager`,
+`128x128w2s3-grid`, `192x128w3s2-psmem`, `128x32w4s2-lazy-vote`. Every candidate is built
 from the shipped configuration of the head dim, dtype and mask, with only its tile fields (and
 those flags) replaced, so it differs from the shipped kernel in those alone. The shipped tile is
 always measured too, as the baseline.
@@ -18,7 +19,9 @@ prints registers, spill bytes and shared memory: a candidate that spills is not 
 Without it, on a GPU, each candidate is first checked against the float32 reference on a small
 problem with odd lengths, by the benchmark's tolerance rule (a wrong kernel is reported and not timed), then timed with
 `triton.testing.do_bench` on batch x seqlen x heads (default 2 x 8192 x 16, head dim from
---head-dim), next to flash-attn-4 when it is importable.
+--head-dim), next to flash-attn-4 when it is importable and, for sm_80, PyTorch SDPA's
+FlashAttention-2; with `--rounds N` every one of them N times, taking turns in an order reversed
+every other round, and the medians reported (default one round).
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(-nopp)?(-lazy|-eager)?(-grid)?(-psmem)?$")
+_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(-nopp)?(-lazy|-eager)?(-grid)?(-psmem)?(-vote|-novote)?$")
 
 
 def parse_candidate(spec: str, arch: str) -> dict:
-    """`128x176w2s2[-nopp][-lazy|-eager][-grid][-psmem]` -> the config fields it sets."""
+    """`128x176w2s2[-nopp][-lazy|-eager][-grid][-psmem][-vote|-novote]` -> the config fields it sets."""
     m = _SPEC.match(spec.strip())
     if not m:
-        raise ValueError(f"candidate {spec!r} is not MxNwWsS[-nopp][-lazy|-eager][-grid][-psmem] (e.g. 128x176w2s2)")
+        raise ValueError(f"candidate {spec!r} is not MxNwWsS[-nopp][-lazy|-eager][-grid][-psmem][-vote|-novote] "
+                         "(e.g. 128x176w2s2)")
     tile_m, tile_n, workers, stages = (int(g) for g in m.groups()[:4])
     fields = dict(tile_m=tile_m, tile_n=tile_n, num_stages=stages)
     if arch == "sm_90a":
@@ -55,8 +59,14 @@ def parse_candidate(spec: str, arch: str) -> dict:
         fields.update(num_warps=workers)
     if m.group(6):
         fields.update(lazy_rescale=m.group(6) == "-lazy")
-        if arch == "sm_90a" and m.group(6) == "-eager":
+        if m.group(6) == "-eager":
             fields.update(config_module(arch).NO_KEEP_VOTE)  # it votes on the lazy rescale's kept references
+    if m.group(9) == "-vote":
+        if m.group(6) == "-eager":
+            raise ValueError("-vote votes on the lazy rescale's kept references: not with -eager")
+        fields.update(lazy_rescale=True, keep_vote=True)
+    elif m.group(9):
+        fields.update(config_module(arch).NO_KEEP_VOTE)
     return fields
 
 
@@ -92,10 +102,11 @@ def compile_only(args, configs) -> None:
 
 
 def on_gpu(args, configs) -> None:
-    import torch
-    from triton.testing import do_bench
+    import statistics
 
-    from bench_lib import within_tolerance
+    import torch
+
+    from bench_lib import interleaved_rounds, within_tolerance
     from cute_flash.backends import get_backend
     from cute_flash.backends.base import AttnArgs
     from cute_flash.backends.reference import reference_attention
@@ -129,7 +140,11 @@ def on_gpu(args, configs) -> None:
     big = inputs(b, s, s, h)
     flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
     print(f"{args.arch} hd{d} {args.dtype} {'causal' if args.causal else 'non-causal'}: "
-          f"check on 2 x 333/1001 x 2 heads, time on {b} x {s} x {h} heads")
+          f"check on 2 x 333/1001 x 2 heads, time on {b} x {s} x {h} heads"
+          + (f", medians of {args.rounds} interleaved rounds (range)" if args.rounds > 1 else ""))
+    o = torch.empty_like(big[0])
+    lse_big = torch.empty(b, h, s, device="cuda")
+    runs, notes = {}, {}
     for label, config, why in configs:
         if config is None:
             print(f"{label:<20} invalid: {why}")
@@ -146,19 +161,31 @@ def on_gpu(args, configs) -> None:
             if not passed:
                 print(f"{label:<20} WRONG: max error {err:.3g} > {bound:.3g}")
                 continue
-            o = torch.empty_like(big[0])
-            lse = torch.empty(b, h, s, device="cuda")
-            ms = do_bench(lambda: run(*big, o, lse, attn_args(s, s)), warmup=25, rep=100, return_mode="median")
-            print(f"{label:<20} {flops / ms * 1e-9:8.1f} TFLOP/s   ({config.name}, error {err:.2e})", flush=True)
+            runs[label] = lambda run=run: run(*big, o, lse_big, attn_args(s, s))
+            notes[label] = f"({config.name}, error {err:.2e})"
         except Exception as exc:
             print(f"{label:<20} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    q, k, v = big
     try:
         from flash_attn.cute.interface import flash_attn_func
+
+        runs["flash-attn-4"] = lambda: flash_attn_func(q, k, v, causal=args.causal)
     except ImportError:
-        return
-    q, k, v = big
-    ms = do_bench(lambda: flash_attn_func(q, k, v, causal=args.causal), warmup=25, rep=100, return_mode="median")
-    print(f"{'flash-attn-4':<20} {flops / ms * 1e-9:8.1f} TFLOP/s")
+        pass
+    if args.arch == "sm_80":  # the sm_80 kernels' peer: PyTorch SDPA's FlashAttention-2
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qt, kt, vt = (t.transpose(1, 2) for t in big)
+
+        def sdpa_flash():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
+
+        runs["sdpa-flash"] = sdpa_flash
+    for label, times in interleaved_rounds(runs, args.rounds).items():
+        rates = sorted(flops / ms * 1e-9 for ms in times)
+        spread = f" ({rates[0]:.1f}-{rates[-1]:.1f})" if len(rates) > 1 else ""
+        print(f"{label:<20} {statistics.median(rates):8.1f} TFLOP/s{spread}   {notes.get(label, '')}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -169,6 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every candidate (and the peers) this many times, taking turns, and report the medians")
     return tile_tuning_main(p, argv, 8192, default_candidates, candidates, compile_only, on_gpu)
 
 

@@ -12,6 +12,7 @@ Every check first rejects NaN, so an output that was poisoned and never written 
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import replace
 
@@ -19,7 +20,6 @@ import torch
 
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.reference import reference_attention, reference_attention_backward
-from cute_flash.kernels.sm90.fwd_config import NO_KEEP_VOTE
 
 ATOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 1e-5}
 
@@ -135,8 +135,10 @@ def check_rescale_schedule(monkeypatch, backend, q, k, v, args: AttnArgs, growin
 
     def config(*a, **kw):
         picked = plain(*a, **kw)
-        # the sm_90 forward's `keep_vote` votes on the lazy rescale's kept references
-        off = {} if lazy or not getattr(picked, "keep_vote", False) else NO_KEEP_VOTE
+        # `keep_vote` votes on the lazy rescale's kept references: off with it (by the fields
+        # the configuration's own module names)
+        off = ({} if lazy or not getattr(picked, "keep_vote", False)
+               else importlib.import_module(type(picked).__module__).NO_KEEP_VOTE)
         return replace(picked, lazy_rescale=lazy, **off)
 
     monkeypatch.setattr(backend, "config", config)

@@ -389,6 +389,13 @@ def test_tile_candidates_parse_and_replace_only_the_tile():
         tune_tiles.parse_candidate("128x64w4s2-psmem", "sm_80")
     with pytest.raises(ValueError, match="MxNwWsS"):
         tune_tiles.parse_candidate("128by64", "sm_80")
+    # the keep vote on (with the lazy rescale) or off (with the sm_90 P·V wait placed after it)
+    assert tune_tiles.parse_candidate("128x32w4s2-vote", "sm_80") == dict(
+        tile_m=128, tile_n=32, num_stages=2, num_warps=4, lazy_rescale=True, keep_vote=True)
+    assert tune_tiles.parse_candidate("128x128w2s2-novote", "sm_90a")["pv_wait_at"] == -1
+    assert tune_tiles.parse_candidate("128x64w4s2-eager", "sm_80")["keep_vote"] is False
+    with pytest.raises(ValueError, match="not with -eager"):
+        tune_tiles.parse_candidate("128x64w4s2-eager-vote", "sm_80")
     args = argparse.Namespace(
         arch="sm_90a", dtype="bfloat16", head_dim=128, causal=True, candidates=["128x144w2s2", "100x128w2s2"])
     (label, shipped, _), (_, tuned, _), (_, bad, why) = tune_tiles.candidates(args)

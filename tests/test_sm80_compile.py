@@ -207,18 +207,65 @@ def test_calls_with_at_most_64_query_rows_take_the_short_query_tile():
 @pytest.mark.parametrize("d", fc.TILE_HEADDIMS)
 def test_unmasked_prefill_takes_its_tile_and_the_lazy_rescale(d):
     """Without a mask (softcap and varlen included) long-query calls take UNMASKED_TILES and, at
-    UNMASKED_LAZY_HEADDIMS, the lazy rescale; causal and windowed calls take TILES, eager; decode
-    tiles stay eager."""
+    UNMASKED_LAZY_HEADDIMS, the lazy rescale, with the keep vote at KEEP_VOTE_HEADDIMS; causal
+    calls take CAUSAL_TILES, with the lazy rescale and the vote at CAUSAL_VOTE_HEADDIMS (eager
+    elsewhere); windowed calls take TILES, eager; decode tiles stay eager."""
     lazy = d in fc.UNMASKED_LAZY_HEADDIMS
     for flags in ({}, {"softcap": True}, {"varlen_q": True, "varlen_k": True}):
         config = fc.make_config("bfloat16", d, d, **flags)
         assert (config.tile_m, config.tile_n, config.num_warps, config.num_stages) == fc.UNMASKED_TILES[d][:4]
         assert config.lazy_rescale == lazy, flags
-    for mask in ({"causal": True}, {"local": True}):
+        assert config.keep_vote == (d in fc.KEEP_VOTE_HEADDIMS), flags
+    causal_vote = d in fc.CAUSAL_VOTE_HEADDIMS
+    for mask, tiles, voting in (({"causal": True}, fc.CAUSAL_TILES, causal_vote),
+                                ({"causal": True, "softcap": True}, fc.CAUSAL_TILES, causal_vote),
+                                ({"local": True}, fc.TILES, False)):
         config = fc.make_config("bfloat16", d, d, **mask)
-        assert (config.tile_m, config.tile_n, config.num_warps, config.num_stages) == fc.TILES[d][:4]
-        assert not config.lazy_rescale
-    assert not fc.make_config("bfloat16", d, d, short_queries=True).lazy_rescale
-    # asked for explicitly, either way wins
+        assert (config.tile_m, config.tile_n, config.num_warps, config.num_stages) == tiles[d][:4]
+        assert config.lazy_rescale == config.keep_vote == voting, mask
+    short = fc.make_config("bfloat16", d, d, short_queries=True)
+    assert not short.lazy_rescale and not short.keep_vote
+    assert not fc.make_config("bfloat16", d, d, short_queries=True, causal=True).keep_vote
+    # asked for explicitly, either way wins (the vote goes with the lazy rescale)
     assert fc.make_config("bfloat16", d, d, lazy_rescale=not lazy).lazy_rescale == (not lazy)
+    assert not fc.make_config("bfloat16", d, d, lazy_rescale=False).keep_vote
     assert fc.UNMASKED_TILES[128] != fc.TILES[128]
+    assert fc.CAUSAL_TILES[128] == fc.UNMASKED_TILES[128]
+
+
+def test_keep_vote_needs_the_lazy_rescale():
+    with pytest.raises(ValueError, match="keep_vote.*lazy_rescale"):
+        fc.make_config("bfloat16", 128, 128, lazy_rescale=False, keep_vote=True)
+
+
+def test_keep_vote_takes_os_rescale_off_the_key_block_loop(tmp_path):
+    """hd128's unmasked 128x32 loop: with the lazy rescale alone the skip of O's 128 FMULs (per
+    thread, 32 rows x 128 columns a warp) is predicated, so every trip issues them; with the keep
+    vote the trip of a warp whose rows all keep their references has no rescale and no max
+    shuffle, and is shorter. No spills (sm_80)."""
+    import sys
+    from pathlib import Path
+
+    from cute_flash import audit
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import loop_sass
+
+    if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
+        pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
+    voting = fc.make_config("bfloat16", 128, 128)
+    assert voting.keep_vote and (voting.tile_m, voting.tile_n, voting.num_warps) == (128, 32, 4)
+    rows = voting.tile_m // voting.num_warps
+    gemms = rows // 16 * (voting.tile_n // 8 * 128 // 16 + 128 // 8 * voting.tile_n // 16)
+    trips, fmuls = {}, {}
+    for config in (voting, replace(voting, keep_vote=False)):
+        row = audit.audit_target(audit.AuditTarget(config.name, "sm_80", lambda o, c=config: fc.compile_fwd(c, o)),
+                                 keep_dir=tmp_path)
+        assert row.error is None and not row.spills, (row.error, row.spill_stores, row.spill_loads)
+        body, paths = loop_sass.analyse((tmp_path / config.name / "kernel.sass").read_text(), gemms, gemm_op="HMMA")
+        trips[config.keep_vote], fmuls[config.keep_vote] = min(paths), loop_sass.mix(body)["FMUL"]
+        assert loop_sass.mix(body)["MUFU.EX2"] >= rows * voting.tile_n // 32  # a thread's exponentials
+        if config.keep_vote:
+            assert any("VOTE.ALL" in inst for inst in body) and not any("SHFL" in inst for inst in body)
+    assert fmuls[False] >= 128 > 16 >= fmuls[True], fmuls
+    assert trips[True] < trips[False] * 0.8, trips

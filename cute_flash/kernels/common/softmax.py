@@ -70,13 +70,17 @@ class OnlineSoftmax:
     def step(self, acc_S: cute.Tensor, acc_O: cute.Tensor, is_first: cutlass.Constexpr[bool]):
         """Turn acc_S into probabilities (in place) and rescale acc_O for the new row maxima."""
         correction = cute.make_rmem_tensor(cute.size(self.row_max), Float32)
-        self.probs(acc_S, correction, is_first)
-        if cutlass.const_expr(not is_first):
-            self.rescale(acc_O, correction)
+        if cutlass.const_expr(self.keep_vote and not is_first):
+            # the factors are all 1 where the warp's rows all keep: O is rescaled on the other path only
+            self.probs(acc_S, correction, is_first, moved=lambda: self.rescale(acc_O, correction))
+        else:
+            self.probs(acc_S, correction, is_first)
+            if cutlass.const_expr(not is_first):
+                self.rescale(acc_O, correction)
 
     @cute.jit
     def probs(self, acc_S: cute.Tensor, correction: cute.Tensor, is_first: cutlass.Constexpr[bool],
-              midway=None, midway_at: cutlass.Constexpr[int] = 0):
+              midway=None, midway_at: cutlass.Constexpr[int] = 0, moved=None):
         """acc_S -> probabilities in place; `correction[r]` is the factor that rescales row r of
         O for the new maxima (left untouched on the first block, when O holds nothing yet).
 
@@ -89,7 +93,9 @@ class OnlineSoftmax:
         (row-major over its rows); the rest follow it, one code for both paths. ptxas moves
         neither across the branches' merge, so this places the wait among the exponentials.
         Without `midway` the branches hold all of them; without the vote `midway` follows the
-        exponentials.
+        exponentials. `moved` (with the vote; a callable, e.g. O's rescale where no GEMM is in
+        flight on it, as in `step`) is traced on the path where some row moves its reference,
+        once the factors are known: on the other path they are all 1.
         """
         acc_S_mn = acc_mn_view(acc_S)
         if cutlass.const_expr(self.keep_vote and not is_first):
@@ -115,6 +121,8 @@ class OnlineSoftmax:
             else:
                 for r in cutlass.range_constexpr(num_rows):
                     refs[r], self.row_sum[r] = self.quad_row(r, lane_max[r], correction, is_first)
+                if cutlass.const_expr(moved is not None):
+                    moved()
                 self.exp_span(acc_S_mn, refs, 0, in_branches)
             if cutlass.const_expr(midway is not None):
                 midway()

@@ -292,7 +292,7 @@ class FlashFwdSm80:
             n_block_min = cutlass.max(n_block_min, split_range[0])
             n_block_max = cutlass.min(n_block_max, split_range[1])
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(tScS_mn, mode=[0]),
-                                       LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0)
+                                       LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0, cfg.keep_vote)
 
         k_rows_left = seqlen.seqlen_k - (n_block_max - 1) * cfg.tile_n
         lookup_K = None

@@ -18,7 +18,8 @@ P V). hd128 takes 128x128 with 8 warps and one stage, with ptxas told one CTA pe
 `benchmarks/tune_tiles.py --arch sm_80 --head-dim 128`) 349.2 TFLOP/s against 325.1 for 64x64
 with 4 warps and two stages, 323.9 for 128x64 with 8 warps and 300.0 for 64x128 with 4 warps.
 Without a mask hd96 and hd128 take 32 rows per warp after all, with the lazy rescale
-(UNMASKED_TILES).
+(UNMASKED_TILES), and hd128's causal calls take that tile too, with the lazy rescale and the keep
+vote (CAUSAL_TILES, KEEP_VOTE_HEADDIMS).
 """
 
 from __future__ import annotations
@@ -61,16 +62,34 @@ TILES = {
 # H200 (bf16, `benchmarks/tune_tiles.py --arch sm_80`, 2 x 8192 x 16 heads) 366.9-376.2 TFLOP/s
 # over four runs against 352.9 for 128x128 with 8 warps in the first (349.1 there for 128x32
 # without the lazy rescale; 8 x 2048: 352.4 against 331.3). With a causal mask it measured slower
-# (321.4 against 334.2), so masked calls keep TILES. hd96 fits 64 keys per block with the lazy
-# rescale (eager, that tile spilled 20/16 B): 374.4 TFLOP/s against 322.9 for its 8-warp 128x128
+# (321.4 against 334.2) until the keep vote (CAUSAL_TILES below); windowed calls keep TILES. hd96
+# fits 64 keys per block with the lazy rescale (eager, that tile spilled 20/16 B): 374.4 TFLOP/s
+# against 322.9 for its 8-warp 128x128
 # (8 x 2048: 365.5 against 302.7; SDPA's FlashAttention-2 353.9 and 331.7).
 UNMASKED_TILES = {**TILES, 96: Tile(128, 64, 4, 2), 128: Tile(128, 32, 4, 2, min_ctas_per_sm=1)}
 # Head dims whose unmasked calls take the lazy rescale (`Sm80FwdConfig.lazy_rescale`): on an H200
 # (as above) hd64 354.1 against 335.1 TFLOP/s; with a causal mask it gained nothing (hd64 299.0
-# against 298.3; hd128 on 128x32 above), so masked calls stay eager. hd256 measured 330.0 against
+# against 298.3; hd128 on 128x32 above), so masked calls stay eager, but for hd128's causal calls
+# with the keep vote (CAUSAL_VOTE_HEADDIMS). hd256 measured 330.0 against
 # 323.3 with it (one run each), and its varlen split-KV variants spill with it (12/8 B, bf16,
 # sm_90a): not taken.
 UNMASKED_LAZY_HEADDIMS = (64, 96, 128)
+# Head dims whose prefill calls (without a mask, or causal) take the keep vote
+# (`Sm80FwdConfig.keep_vote`) with the lazy rescale: hd128's 128x32 loop on the path that keeps
+# every reference is 421 SASS instructions a trip against 595 (bf16, no mask: the lazy rescale's
+# skip of O's 128 FMULs was predicated, not branched over, so every trip issued them). On an H200
+# (bf16, `benchmarks/tune_tiles.py --arch sm_80 --rounds 7`, medians, TFLOP/s) 2 x 8192 x 16 heads
+# 378.9 against 369.6, 8 x 2048 375.6 against 356.1 (SDPA's FlashAttention-2 347.8 and 336.5).
+# hd64 measured slower with it (2 x 8192 x 32 heads 336.2 against 351.2) and level causal (317.1
+# against 313.3); hd96's 128x64 spills with it.
+KEEP_VOTE_HEADDIMS = (128,)
+# Causal calls (not a window) at head dims where the 32-rows-per-warp tile with the keep vote
+# beats TILES: hd128 128x32 with 4 warps, 354.0 TFLOP/s against 334.6 for 128x128 with 8 warps
+# (eager), 320.3 for the 128x128 with the lazy rescale and 297.4 with the vote too (2 x 8192 x 16
+# heads, as above; FlashAttention-2 313.9); 128x64 with 8 warps 256.9 and 128x32 with one K/V
+# stage 352.8 against 351.0 in a second run
+CAUSAL_TILES = {**TILES, 128: UNMASKED_TILES[128]}
+CAUSAL_VOTE_HEADDIMS = (128,)
 # Calls whose queries per (sequence, head) fit in 64 rows (decode, packed GQA decode): most rows
 # of a 128-row tile would be empty, and the kernel streams keys; hd128 keeps the smaller tile
 # with two K/V stages there (measured on an H200 as packed-GQA decode at 3.85-4.40 TB/s with
@@ -113,9 +132,15 @@ class Sm80FwdConfig:
     # the unmasked prefill calls of UNMASKED_LAZY_HEADDIMS (`make_config`); `tune_tiles.py
     # -lazy` / `-eager` for A/B.
     lazy_rescale: bool = False
+    # With the lazy rescale: each warp votes on whether all its rows keep their references and,
+    # when they do, skips the quad's max shuffles, the factors and O's rescale (as the sm_90
+    # kernel's `keep_vote`; `common/softmax.py`)
+    keep_vote: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
+        if self.keep_vote and not self.lazy_rescale:
+            raise ValueError("keep_vote votes on the lazy rescale's kept references: it needs lazy_rescale")
         if self.paged_kv and self.varlen_k:
             raise ValueError("paged_kv and varlen_k exclude each other (a paged cache has no cu_seqlens_k)")
         for flag in ("page_size_pow2", "pages_hold_tiles"):
@@ -146,9 +171,15 @@ class Sm80FwdConfig:
             flags.append("nolse")
         if self.lazy_rescale:
             flags.append("lazy")
+        if self.keep_vote:
+            flags.append("keepvote")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}"
         return "_".join(["fwd_sm80", self.dtype, hd, tile] + flags)
+
+
+# The fields that turn the keep vote off (the sm_90 module's has its P·V wait too)
+NO_KEEP_VOTE = dict(keep_vote=False)
 
 
 def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool = False,
@@ -166,8 +197,13 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     key = max(hd, hdv)
     unmasked_prefill = not short_queries and not _masked(flags)
-    tile = (SHORT_QUERY_TILES if short_queries else UNMASKED_TILES if unmasked_prefill else TILES)[key]
-    flags.setdefault("lazy_rescale", unmasked_prefill and key in UNMASKED_LAZY_HEADDIMS)
+    causal_prefill = not short_queries and flags.get("causal", False) and not flags.get("local", False)
+    tiles = (SHORT_QUERY_TILES if short_queries else UNMASKED_TILES if unmasked_prefill
+             else CAUSAL_TILES if causal_prefill else TILES)
+    tile = tiles[key]
+    voting = ((unmasked_prefill and key in KEEP_VOTE_HEADDIMS) or (causal_prefill and key in CAUSAL_VOTE_HEADDIMS))
+    flags.setdefault("lazy_rescale", (unmasked_prefill and key in UNMASKED_LAZY_HEADDIMS) or voting)
+    flags.setdefault("keep_vote", voting and flags["lazy_rescale"])
     if key in NARROW_TILES and _takes_narrow_tile(flags, page_size):
         tile = NARROW_TILES[key]
     if page_size is not None:
