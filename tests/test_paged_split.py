@@ -45,15 +45,21 @@ def test_page_size_selects_shift_and_mask_and_one_lookup_per_tile(page_size, pow
 
 
 @pytest.mark.parametrize("head_dim,causal,short,per_row", [
-    (64, True, False, True), (64, True, True, True), (64, False, False, False), (128, True, False, True),
+    (64, True, False, True), (64, True, True, True), (64, False, False, False), (128, True, False, False),
     (128, False, False, False), (128, True, True, False), (96, True, False, True), (256, True, False, True), (256, False, False, False),
     (192, False, False, False),
 ])
 def test_tiles_that_spill_with_one_page_lookup_per_tile_look_up_per_row(head_dim, causal, short, per_row):
-    """One lookup per tile spilled on the 128x128 tiles (hd96, hd128 with a mask), on hd64's causal
-    tile and (fp16) on hd256's masked one; hd128's unmasked 128x32 tile takes it."""
+    """One lookup per tile spilled on the 128x128 tiles (hd96, hd128 with a window), on hd64's causal
+    tile and (fp16) on hd256's masked one; hd128's 128x32 tile (unmasked and causal calls) takes it."""
     config = fc.make_config("bfloat16", head_dim, head_dim, short_queries=short, page_size=256, causal=causal)
     assert config.paged_kv and config.page_size_pow2 and config.pages_hold_tiles == (not per_row)
+
+
+def test_windowed_hd128_calls_keep_their_128x128_tile_and_look_up_pages_per_row():
+    """A window keeps hd128 off the causal 128x32 tile, and the 128x128 tile spills with one lookup per tile."""
+    config = fc.make_config("bfloat16", 128, 128, page_size=256, local=True)
+    assert (config.tile_m, config.tile_n) == (128, 128) and config.paged_kv and not config.pages_hold_tiles
 
 
 @pytest.mark.parametrize("head_dim,flags,per_row", [
