@@ -2,6 +2,7 @@
 
     python benchmarks/loop_sass.py --head-dim 128                 # cute_flash's shipped kernel (CPU)
     python benchmarks/loop_sass.py --head-dim 64 --causal --fa4   # and flash-attn-4's, compiled here too
+    python benchmarks/loop_sass.py --head-dim 128 --kernel sm80   # the sm_80 forward's (mma.sync) loop
 
 Both kernels are compiled for sm_90a on this machine (no GPU needed): cute_flash's shipped
 configuration (`make_config`, without the K/V clusters), and with `--fa4` flash-attn-4's
@@ -118,11 +119,33 @@ def mix(body: list) -> collections.Counter:
     return counts
 
 
-def cute_flash_sass(head_dim: int, causal: bool) -> tuple[str, str]:
-    from cute_flash.audit import AuditTarget, audit_target
-    from cute_flash.kernels.sm90.fwd_config import compile_fwd, make_config
+def gemm_count(config, kernel: str = "sm90") -> int:
+    """The GEMM instructions of one key block in `config`'s loop: HGMMAs (one per 16 of the head
+    dim and of the key tile) for the sm_90 forward, a warp's m16n8k16 HMMAs (its rows of S = Q K^T
+    and of O += P V) for the sm_80 one."""
+    if kernel == "sm90":
+        return config.head_dim // 16 + config.tile_n // 16
+    rows = config.tile_m // config.num_warps
+    return rows // 16 * (config.tile_n // 8 * config.head_dim // 16 + config.head_dim_v // 8 * config.tile_n // 16)
 
-    config = make_config("bfloat16", head_dim, head_dim, causal=causal)
+
+def _fwd_config(kernel: str):
+    import importlib
+
+    return importlib.import_module(f"cute_flash.kernels.{kernel}.fwd_config")
+
+
+def shipped_config(head_dim: int, causal: bool, kernel: str = "sm90"):
+    """The shipped bf16 configuration of the sm_90 (without the K/V clusters) or sm_80 forward."""
+    return _fwd_config(kernel).make_config("bfloat16", head_dim, head_dim, causal=causal)
+
+
+def cute_flash_sass(head_dim: int, causal: bool, kernel: str = "sm90") -> tuple[str, str]:
+    """(name, SASS) of `shipped_config`, compiled for sm_90a (the sm_80 kernel as the H200 runs it)."""
+    from cute_flash.audit import AuditTarget, audit_target
+
+    compile_fwd = _fwd_config(kernel).compile_fwd
+    config = shipped_config(head_dim, causal, kernel)
     with tempfile.TemporaryDirectory() as tmp:
         row = audit_target(AuditTarget(config.name, "sm_90a", lambda opts: compile_fwd(config, opts)), keep_dir=Path(tmp))
         if row.error:
@@ -174,19 +197,22 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     p.add_argument("--causal", action="store_true")
     p.add_argument("--fa4", action="store_true", help="flash-attn-4's loop too (needs flash_attn.cute and einops)")
+    p.add_argument("--kernel", choices=("sm90", "sm80"), default="sm90",
+                   help="which cute_flash forward (sm80: the mma.sync kernel, compiled for sm_90a as the H200 runs it)")
     args = p.parse_args(argv)
+    if args.fa4 and args.kernel != "sm90":
+        p.error("--fa4 compares against the sm_90 forward (--kernel sm90)")
     if args.fa4:
         for key, value in FA4_CPU_ENV.items():
             os.environ.setdefault(key, value)
-    from cute_flash.kernels.sm90.fwd_config import make_config
 
-    tile_n = make_config("bfloat16", args.head_dim, args.head_dim, causal=args.causal).tile_n
-    gemms = args.head_dim // 16 + tile_n // 16
-    sources = [cute_flash_sass] + ([fa4_sass] if args.fa4 else [])
+    gemms = gemm_count(shipped_config(args.head_dim, args.causal, args.kernel), args.kernel)
+    gemm_op = "HGMMA" if args.kernel == "sm90" else "HMMA"
+    sources = [lambda hd, causal: cute_flash_sass(hd, causal, args.kernel)] + ([fa4_sass] if args.fa4 else [])
     rows = []
     for source in sources:
         name, sass = source(args.head_dim, args.causal)
-        body, paths = analyse(sass, gemms)
+        body, paths = analyse(sass, gemms, gemm_op=gemm_op)
         rows.append((name, len(body), paths, mix(body)))
     ops = sorted({op for *_, m in rows for op in m}, key=lambda op: -max(m[op] for *_, m in rows))
     print(f"hd{args.head_dim} {'causal' if args.causal else 'no mask'}: the key-block loop's instructions "

@@ -740,3 +740,16 @@ def test_interleaved_rounds_reverse_the_order_every_other_round(monkeypatch):
     grads = [object()]
     assert bl.interleaved_rounds({"a": run("a", 1.0)}, 2, rep_ms=80, grad_to_none=grads) == {"a": [1.0, 1.0]}
     assert cleared[-2:] == [grads, grads]
+
+
+def test_loop_sass_finds_the_key_block_loop_of_the_sm80_kernel(capsys):
+    import loop_sass
+
+    assert loop_sass.main(["--head-dim", "128", "--kernel", "sm80"]) == 0
+    out = capsys.readouterr().out
+    trips = re.search(r"\[0\]\s+\d+\s+per trip ([\d/]+)\s+fwd_sm80_bfloat16_hd128", out).group(1)
+    # a warp's 128 HMMAs (32 rows of S over 32 keys, and of P V) and the softmax of its 32 scores a thread
+    assert all(300 < int(count) < 600 for count in trips.split("/")), trips
+    assert re.search(r"HMMA\s+128\b", out) and re.search(r"MUFU\.EX2\s+32\b", out)
+    with pytest.raises(SystemExit):
+        loop_sass.main(["--kernel", "sm80", "--fa4"])

@@ -256,7 +256,8 @@ def test_keep_vote_takes_os_rescale_off_the_key_block_loop(tmp_path):
     voting = fc.make_config("bfloat16", 128, 128)
     assert voting.keep_vote and (voting.tile_m, voting.tile_n, voting.num_warps) == (128, 32, 4)
     rows = voting.tile_m // voting.num_warps
-    gemms = rows // 16 * (voting.tile_n // 8 * 128 // 16 + 128 // 8 * voting.tile_n // 16)
+    gemms = loop_sass.gemm_count(voting, "sm80")
+    assert gemms == 128  # a warp's 32 rows: S in 2 x 4 x 8 HMMAs, P V in 2 x 16 x 2
     trips, fmuls = {}, {}
     for config in (voting, replace(voting, keep_vote=False)):
         row = audit.audit_target(audit.AuditTarget(config.name, "sm_80", lambda o, c=config: fc.compile_fwd(c, o)),
