@@ -9,7 +9,9 @@ on / off, `-grid` to run an sm_90 tile as one CTA per tile instead of persistent
 share shared memory, which leaves room for a third K/V stage at head dim 128), `-psmem` to
 feed P·V its P from shared memory (`p_in_smem`) and `-vote` / `-novote` to turn the keep vote
 on (with the lazy rescale) / off, e.g. `128x176w2s2`, `192x128w3s2-nopp`, `128x64w4s2-eager`,
-`128x128w2s3-grid`, `192x128w3s2-psmem`, `128x32w4s2-lazy-vote`. Every candidate is built
+`128x128w2s3-grid`, `192x128w3s2-psmem`, `128x32w4s2-lazy-vote`, and for sm_80 `-pp` for the
+two warp groups taking turns (`pingpong`, 8 warps: `256x32w8s2-pp`; without it a candidate has
+no turns). Every candidate is built
 from the shipped configuration of the head dim, dtype and mask, with only its tile fields (and
 those flags) replaced, so it differs from the shipped kernel in those alone. The shipped tile is
 always measured too, as the baseline.
@@ -36,14 +38,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(-nopp)?(-lazy|-eager)?(-grid)?(-psmem)?(-vote|-novote)?$")
+_SPEC = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(-nopp)?(-lazy|-eager)?(-grid)?(-psmem)?(-vote|-novote)?(-pp)?$")
 
 
 def parse_candidate(spec: str, arch: str) -> dict:
-    """`128x176w2s2[-nopp][-lazy|-eager][-grid][-psmem][-vote|-novote]` -> the config fields it sets."""
+    """`128x176w2s2[-nopp][-lazy|-eager][-grid][-psmem][-vote|-novote][-pp]` -> the config fields it sets."""
     m = _SPEC.match(spec.strip())
     if not m:
-        raise ValueError(f"candidate {spec!r} is not MxNwWsS[-nopp][-lazy|-eager][-grid][-psmem][-vote|-novote] "
+        raise ValueError(f"candidate {spec!r} is not MxNwWsS[-nopp][-lazy|-eager][-grid][-psmem][-vote|-novote][-pp] "
                          "(e.g. 128x176w2s2)")
     tile_m, tile_n, workers, stages = (int(g) for g in m.groups()[:4])
     fields = dict(tile_m=tile_m, tile_n=tile_n, num_stages=stages)
@@ -56,7 +58,7 @@ def parse_candidate(spec: str, arch: str) -> dict:
     else:
         if m.group(5) or m.group(7) or m.group(8):
             raise ValueError("-nopp, -grid and -psmem are sm_90a options")
-        fields.update(num_warps=workers)
+        fields.update(num_warps=workers, pingpong=bool(m.group(10)))
     if m.group(6):
         fields.update(lazy_rescale=m.group(6) == "-lazy")
         if m.group(6) == "-eager":
@@ -67,6 +69,8 @@ def parse_candidate(spec: str, arch: str) -> dict:
         fields.update(lazy_rescale=True, keep_vote=True)
     elif m.group(9):
         fields.update(config_module(arch).NO_KEEP_VOTE)
+    if m.group(10) and arch == "sm_90a":
+        raise ValueError("-pp is an sm_80 option (sm_90a's ping-pong is on unless -nopp)")
     return fields
 
 

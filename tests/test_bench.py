@@ -376,7 +376,12 @@ def test_tile_candidates_parse_and_replace_only_the_tile():
     assert tune_tiles.parse_candidate("128x144w2s2", "sm_90a") == dict(
         tile_m=128, tile_n=144, num_stages=2, num_consumer_wgs=2, pingpong=True)
     assert tune_tiles.parse_candidate("128x128w2s2-nopp", "sm_90a")["pingpong"] is False
-    assert tune_tiles.parse_candidate("128x64w8s2", "sm_80") == dict(tile_m=128, tile_n=64, num_stages=2, num_warps=8)
+    assert tune_tiles.parse_candidate("128x64w8s2", "sm_80") == dict(
+        tile_m=128, tile_n=64, num_stages=2, num_warps=8, pingpong=False)
+    # sm_80's warp groups take turns only with -pp (whatever the shipped tile does)
+    assert tune_tiles.parse_candidate("256x32w8s2-pp", "sm_80")["pingpong"] is True
+    with pytest.raises(ValueError, match="sm_80 option"):
+        tune_tiles.parse_candidate("128x128w2s2-pp", "sm_90a")
     assert tune_tiles.parse_candidate("128x64w4s2-lazy", "sm_80")["lazy_rescale"] is True
     assert tune_tiles.parse_candidate("128x128w2s2-nopp-eager", "sm_90a")["lazy_rescale"] is False
     grid = tune_tiles.parse_candidate("128x128w2s3-grid", "sm_90a")
@@ -391,7 +396,7 @@ def test_tile_candidates_parse_and_replace_only_the_tile():
         tune_tiles.parse_candidate("128by64", "sm_80")
     # the keep vote on (with the lazy rescale) or off (with the sm_90 P·V wait placed after it)
     assert tune_tiles.parse_candidate("128x32w4s2-vote", "sm_80") == dict(
-        tile_m=128, tile_n=32, num_stages=2, num_warps=4, lazy_rescale=True, keep_vote=True)
+        tile_m=128, tile_n=32, num_stages=2, num_warps=4, pingpong=False, lazy_rescale=True, keep_vote=True)
     assert tune_tiles.parse_candidate("128x128w2s2-novote", "sm_90a")["pv_wait_at"] == -1
     assert tune_tiles.parse_candidate("128x64w4s2-eager", "sm_80")["keep_vote"] is False
     with pytest.raises(ValueError, match="not with -eager"):

@@ -45,7 +45,7 @@ def test_tiles_whose_row_copies_would_overrun_a_tile_are_refused():
     # 12 warps copy 128-column rows 48 at a time: 64 keys are not a whole number of passes (the
     # copy would write past the K and V tiles; measured on an H200 as an illegal address)
     with pytest.raises(ValueError, match="tile_n \\(64 rows\\).*48 rows"):
-        replace(fc.make_config("bfloat16", 128, 128), tile_m=192, tile_n=64, num_warps=12)
+        replace(fc.make_config("bfloat16", 128, 128, few_query_tiles=True), tile_m=192, tile_n=64, num_warps=12)
     # every head dim pair builds (the check runs in the config's constructor)
     for short in (False, True):
         for d in range(8, 257, 8):
@@ -74,6 +74,8 @@ def test_config_names_tell_apart_every_flag():
         if isinstance(getattr(plain, f.name), bool):
             # the page flags exist only with paged_kv
             base = replace(plain, paged_kv=True) if f.name in ("page_size_pow2", "pages_hold_tiles") else plain
+            if f.name == "pingpong":  # the turns need 8 warps
+                base = fc.make_config("bfloat16", 128, 128)
             assert replace(base, **{f.name: not getattr(base, f.name)}).name != base.name, f.name
 
 
@@ -184,7 +186,7 @@ def test_every_shipped_config_compiles_for_sm80_without_spills_with_hmma_ldsm_ld
 
 def test_calls_with_at_most_64_query_rows_take_the_short_query_tile():
     """Decode-shaped calls (after GQA packing too) get SHORT_QUERY_TILES, the others (here
-    unmasked) UNMASKED_TILES."""
+    unmasked, and on the CPU, with no SM count, counted as many query tiles) PINGPONG_TILES."""
     from cute_flash.backends.base import AttnArgs
     from cute_flash.backends.cute import CuteSm80Backend
     from cute_flash.kernels.sm80 import fwd_config
@@ -192,11 +194,11 @@ def test_calls_with_at_most_64_query_rows_take_the_short_query_tile():
     backend = CuteSm80Backend()
     k = torch.empty(2, 300, 2, 128, dtype=torch.bfloat16)
     for seqlen_q, tiles in ((1, fwd_config.SHORT_QUERY_TILES), (64, fwd_config.SHORT_QUERY_TILES),
-                             (65, fwd_config.UNMASKED_TILES)):
+                             (65, fwd_config.PINGPONG_TILES)):
         q = torch.empty(2, seqlen_q, 8, 128, dtype=torch.bfloat16)
         config = backend.config(q, k, k, None, AttnArgs(0.1))
         assert (config.tile_m, config.tile_n, config.num_warps, config.num_stages) == tiles[128][:4]
-    assert fwd_config.SHORT_QUERY_TILES[128] != fwd_config.UNMASKED_TILES[128]
+    assert fwd_config.SHORT_QUERY_TILES[128] != fwd_config.PINGPONG_TILES[128]
     # varlen: the longest query sequence decides
     q = torch.empty(70, 8, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 35, 70], dtype=torch.int32)
@@ -206,16 +208,26 @@ def test_calls_with_at_most_64_query_rows_take_the_short_query_tile():
 
 @pytest.mark.parametrize("d", fc.TILE_HEADDIMS)
 def test_unmasked_prefill_takes_its_tile_and_the_lazy_rescale(d):
-    """Without a mask (softcap and varlen included) long-query calls take UNMASKED_TILES and, at
+    """Without a mask (softcap and varlen included) long-query calls take PINGPONG_TILES where
+    there is one (with the turns; UNMASKED_TILES with few query tiles), else UNMASKED_TILES and, at
     UNMASKED_LAZY_HEADDIMS, the lazy rescale, with the keep vote at KEEP_VOTE_HEADDIMS; causal
     calls take CAUSAL_TILES, with the lazy rescale and the vote at CAUSAL_VOTE_HEADDIMS (eager
     elsewhere); windowed calls take TILES, eager; decode tiles stay eager."""
     lazy = d in fc.UNMASKED_LAZY_HEADDIMS
     for flags in ({}, {"softcap": True}, {"varlen_q": True, "varlen_k": True}):
         config = fc.make_config("bfloat16", d, d, **flags)
-        assert (config.tile_m, config.tile_n, config.num_warps, config.num_stages) == fc.UNMASKED_TILES[d][:4]
+        assert (config.tile_m, config.tile_n, config.num_warps, config.num_stages) == \
+            fc.PINGPONG_TILES.get(d, fc.UNMASKED_TILES[d])[:4]
+        assert config.pingpong == (d in fc.PINGPONG_TILES)
         assert config.lazy_rescale == lazy, flags
         assert config.keep_vote == (d in fc.KEEP_VOTE_HEADDIMS), flags
+        few = fc.make_config("bfloat16", d, d, few_query_tiles=True, **flags)
+        assert (few.tile_m, few.tile_n, few.num_warps, few.num_stages) == fc.UNMASKED_TILES[d][:4]
+        assert not few.pingpong and fc.without_pingpong(config) == few and fc.with_pingpong(few) == config
+        # paged and split-KV calls keep the tile without the turns
+        if "varlen_k" not in flags:  # a paged cache has no cu_seqlens_k
+            assert not fc.make_config("bfloat16", d, d, page_size=256, **flags).pingpong
+        assert not fc.make_config("bfloat16", d, d, split_kv=True, **flags).pingpong
     causal_vote = d in fc.CAUSAL_VOTE_HEADDIMS
     for mask, tiles, voting in (({"causal": True}, fc.CAUSAL_TILES, causal_vote),
                                 ({"causal": True, "softcap": True}, fc.CAUSAL_TILES, causal_vote),
@@ -231,6 +243,18 @@ def test_unmasked_prefill_takes_its_tile_and_the_lazy_rescale(d):
     assert not fc.make_config("bfloat16", d, d, lazy_rescale=False).keep_vote
     assert fc.UNMASKED_TILES[128] != fc.TILES[128]
     assert fc.CAUSAL_TILES[128] == fc.UNMASKED_TILES[128]
+
+
+def test_pingpong_needs_8_warps_2_stages_and_no_mask():
+    pp = fc.make_config("bfloat16", 128, 128)
+    assert pp.pingpong and pp.name.endswith("_pp")
+    with pytest.raises(ValueError, match="num_warps 8 and num_stages 2"):
+        replace(pp, num_warps=4, tile_m=128)
+    for flag in ("causal", "local", "paged_kv", "split_kv"):
+        with pytest.raises(NotImplementedError, match=f"pingpong with {flag}"):
+            replace(pp, **{flag: True})
+    # masked calls never take it
+    assert not fc.make_config("bfloat16", 128, 128, causal=True).pingpong
 
 
 def test_keep_vote_needs_the_lazy_rescale():
@@ -253,7 +277,7 @@ def test_keep_vote_takes_os_rescale_off_the_key_block_loop(tmp_path):
 
     if audit.find_tool("nvdisasm") is None or audit.find_tool("cuobjdump") is None:
         pytest.skip("nvdisasm/cuobjdump not installed (test extra)")
-    voting = fc.make_config("bfloat16", 128, 128)
+    voting = fc.make_config("bfloat16", 128, 128, few_query_tiles=True)
     assert voting.keep_vote and (voting.tile_m, voting.tile_n, voting.num_warps) == (128, 32, 4)
     rows = voting.tile_m // voting.num_warps
     gemms = loop_sass.gemm_count(voting, "sm80")

@@ -476,10 +476,25 @@ class CuteSm80Backend(_CuteBackend):
         self.combine_cache = KernelCache("cute_flash.kernels.combine_config", (".", "common", "sm80"))
 
     def tile_hints(self, q, args: AttnArgs) -> dict:
-        from ..kernels.sm80.fwd_config import SHORT_QUERY_ROWS
+        """`short_queries` (at most SHORT_QUERY_ROWS per sequence) and, on a GPU, `few_query_tiles`:
+        fewer (sequence, head, 256-row block) tiles than SMs, so that a ping-pong tile
+        (PINGPONG_TILES) would leave SMs idle where UNMASKED_TILES' 128 rows give each two CTAs."""
+        from ..kernels.sm80.fwd_config import PINGPONG_TILES, SHORT_QUERY_ROWS
 
-        max_seqlen_q = args.max_seqlen_q if args.cu_seqlens_q is not None else q.shape[1]
-        return {"short_queries": max_seqlen_q is not None and max_seqlen_q <= SHORT_QUERY_ROWS}
+        num_batch, max_seqlen_q = query_sizes(q, args)
+        hints = {"short_queries": max_seqlen_q is not None and max_seqlen_q <= SHORT_QUERY_ROWS}
+        if q.is_cuda and max_seqlen_q:
+            rows = max(t.tile_m for t in PINGPONG_TILES.values())
+            tiles = num_batch * q.shape[-2] * -(-max_seqlen_q // rows)
+            hints["few_query_tiles"] = tiles < _num_sms(q.device)
+        return hints
+
+    def shape_variants(self, config) -> list:
+        """`config` and, for a ping-pong configuration, the tile its calls with few query tiles
+        keep (`without_pingpong`)."""
+        from ..kernels.sm80.fwd_config import without_pingpong
+
+        return list(dict.fromkeys([config, without_pingpong(config)]))
 
     def _gpu_reason(self) -> Optional[str]:
         major, _ = torch.cuda.get_device_capability()

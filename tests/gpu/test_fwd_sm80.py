@@ -192,6 +192,84 @@ def test_fwd_keep_vote_is_the_lazy_rescale_bit_for_bit(monkeypatch, d, causal, s
         assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def _pingpong_backend(monkeypatch):
+    """The backend with every call's query tiles counted as many: unmasked head dim 128 calls then
+    take the ping-pong tile (`Sm80FwdConfig.pingpong`) whatever their size."""
+    backend = _backend()
+    plain = backend.tile_hints
+    monkeypatch.setattr(backend, "tile_hints", lambda q, args: {**plain(q, args), "few_query_tiles": False})
+    return backend
+
+
+def _check_pingpong(backend, q, k, v, args: AttnArgs):
+    config = backend.config(q, k, v, None, args)
+    assert config.pingpong and config.tile_m == 256, config.name
+    out, lse = run_forward(backend, q, k, v, args)
+    check_forward(out, lse, q, k, v, args)
+
+
+@pytest.mark.parametrize("growing_max", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS + [(257, 33), (511, 64), (256, 4097)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fwd_pingpong_matches_oracle(monkeypatch, dtype, seqlen_q, seqlen_k, growing_max):
+    """The two warp groups taking turns, over the seqlen pairs (one key block, a tail block, 256-row
+    tiles cut by seqlen_q) with K/V inside NaN and the row max growing or not (the lazy
+    reference kept or moved, on either group's turn)."""
+    if seqlen_q == 1 and seqlen_k == 1 and growing_max:
+        pytest.skip("one key: nothing grows")
+    torch.manual_seed(seqlen_q * 7 + seqlen_k + growing_max)
+    batch = 1 if seqlen_q * seqlen_k > 10**6 else 3
+    q = torch.randn(batch, seqlen_q, 2, 128, dtype=dtype, device="cuda")
+    k, v = nan_framed_kv(batch, seqlen_k, 2, 128, 128, dtype)
+    args = _args(128)
+    if growing_max:
+        grow_row_max(q, k, args)
+    _check_pingpong(_pingpong_backend(monkeypatch), q, k, v, args)
+
+
+@pytest.mark.parametrize("case", ["softcap", "varlen", "padded", "dv64", "d64", "gqa"])
+def test_fwd_pingpong_features(monkeypatch, case):
+    """The ping-pong with soft-capping, packed sequences with seqused_k, a padded head dim, a
+    narrower V or narrower Q and K, and grouped K/V heads."""
+    backend = _pingpong_backend(monkeypatch)
+    torch.manual_seed(len(case))
+    d, dv, h, hk = 128, 128, 3, 3
+    if case == "padded":
+        d = dv = 120
+    if case == "dv64":
+        dv = 64
+    if case == "d64":
+        d = 64
+    if case == "gqa":
+        h, hk = 6, 2
+    if case == "varlen":
+        seqlens_q, seqlens_k = [1, 0, 300, 239, 1023, 64, 7], [1, 5, 203, 1, 1024, 64, 300]
+        q, k, v, cu_q, cu_k = _varlen_batch(seqlens_q, seqlens_k, 4, 2, d, dv, torch.bfloat16)
+        used = torch.tensor([1, 0, 150, 1, 1000, 17, 299], dtype=torch.int32, device="cuda")
+        args = _args(d, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q),
+                     max_seqlen_k=max(seqlens_k), seqused_k=used)
+    else:
+        q = randn_in_nan((2, 601, h, d), torch.float16, row_dim=1, pad_rows=3, pad_cols=8)
+        k, v = nan_framed_kv(2, 517, hk, d, dv, torch.float16)
+        args = _args(d, softcap=15.0 if case == "softcap" else 0.0)
+        if case == "softcap":
+            q.mul_(3)
+    _check_pingpong(backend, q, k, v, args)
+
+
+def test_fwd_pingpong_only_where_query_tiles_fill_the_sms():
+    """A call with fewer 256-row query tiles than SMs keeps the 128-row tile; one with more takes
+    the ping-pong; masked calls never do."""
+    from cute_flash.backends.base import num_sms
+
+    backend = _backend()
+    few = torch.empty(1, 512, 2, 128, dtype=torch.bfloat16, device="cuda")
+    many = torch.empty(1, 256 * num_sms(few.device), 1, 128, dtype=torch.bfloat16, device="cuda")
+    assert not backend.config(few, few, few, None, _args(128)).pingpong
+    assert backend.config(many, many, many, None, _args(128)).pingpong
+    assert not backend.config(many, many, many, None, _args(128, causal=True, window_right=0)).pingpong
+
+
 def test_fwd_non_contiguous_inputs():
     """q sliced out of a packed qkv tensor; k and v from separate buffers with other row strides."""
     q, k, v = strided_qkv()

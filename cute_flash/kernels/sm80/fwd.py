@@ -355,26 +355,18 @@ class FlashFwdSm80:
                     load_K(n_last - 1, 1, None)
                 cute.arch.cp_async_commit_group()
 
-            step = lambda n, is_first, mask_seqlen, mask_causal, mask_local: self.attend_block(  # noqa: E731
-                n, n_last, n_block_min, k_rows_left, is_first, mask_seqlen, mask_causal, mask_local,
-                tiled_mma, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K,
-                smem_copy_V, lookup_K, load_K, load_V, softmax, mask, tScS_mn, t0ScS_mn, m_block,
-                softcap_prescale,
-            )
-            # The first block carries the key-length tail (and the diagonal, if causal).
-            step(n_last, True, True, cfg.causal, cfg.local)
-            # Then the blocks that cross the causal diagonal / window edge, then the clean ones.
-            n_split = n_last
-            if cutlass.const_expr(cfg.local):
-                n_split = n_block_min
-            elif cutlass.const_expr(cfg.causal):
-                n_split = cutlass.max(
-                    cutlass.min(block_info.n_block_right_masked(seqlen, m_block), n_last), n_block_min
+            if cutlass.const_expr(cfg.pingpong):
+                self.attend_pingpong(
+                    n_last, n_block_min, k_rows_left, tidx >= self.num_threads // 2, tiled_mma, acc_O, tSrQ, tSrK,
+                    tOrVt, tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K, smem_copy_V, load_K, load_V, softmax,
+                    mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
                 )
-            for i in cutlass.range(n_last - n_split, unroll=1):
-                step(n_last - 1 - i, False, False, cfg.causal, cfg.local)
-            for i in cutlass.range(n_split - n_block_min, unroll=1):
-                step(n_split - 1 - i, False, False, False, False)
+            else:
+                self.attend_blocks(
+                    n_last, n_block_min, k_rows_left, block_info, seqlen, tiled_mma, acc_O, tSrQ, tSrK, tOrVt,
+                    tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K, smem_copy_V, lookup_K, load_K, load_V,
+                    softmax, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
+                )
 
         # ---- epilogue ----
         lse = cute.make_rmem_tensor(cute.size(tScS_mn, mode=[0]), Float32)
@@ -385,6 +377,35 @@ class FlashFwdSm80:
         else:
             self.store_O(acc_O, lse, mO, mLSE, seqlen, m_block, head, batch, tidx, sQ, sO_layout,
                          gmem_copy_O, tiled_mma, headdim_v)
+
+    @cute.jit
+    def attend_blocks(
+        self, n_last, n_block_min, k_rows_left, block_info, seqlen, tiled_mma, acc_O, tSrQ, tSrK, tOrVt,
+        tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K, smem_copy_V, lookup_K, load_K, load_V,
+        softmax, mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
+    ):
+        """The key blocks one after another (`attend_block`), masked ones first."""
+        cfg = self.cfg
+        step = lambda n, is_first, mask_seqlen, mask_causal, mask_local: self.attend_block(  # noqa: E731
+            n, n_last, n_block_min, k_rows_left, is_first, mask_seqlen, mask_causal, mask_local,
+            tiled_mma, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K,
+            smem_copy_V, lookup_K, load_K, load_V, softmax, mask, tScS_mn, t0ScS_mn, m_block,
+            softcap_prescale,
+        )
+        # The first block carries the key-length tail (and the diagonal, if causal).
+        step(n_last, True, True, cfg.causal, cfg.local)
+        # Then the blocks that cross the causal diagonal / window edge, then the clean ones.
+        n_split = n_last
+        if cutlass.const_expr(cfg.local):
+            n_split = n_block_min
+        elif cutlass.const_expr(cfg.causal):
+            n_split = cutlass.max(
+                cutlass.min(block_info.n_block_right_masked(seqlen, m_block), n_last), n_block_min
+            )
+        for i in cutlass.range(n_last - n_split, unroll=1):
+            step(n_last - 1 - i, False, False, cfg.causal, cfg.local)
+        for i in cutlass.range(n_split - n_block_min, unroll=1):
+            step(n_split - 1 - i, False, False, False, False)
 
     @cute.jit
     def attend_block(
@@ -458,6 +479,109 @@ class FlashFwdSm80:
             cute.arch.cp_async_commit_group()
 
         gemm_rs(tiled_mma, acc_O, acc_as_operand_a(rP), tOrVt, self.stage_of(tOsVt, stage), smem_copy_V)
+
+    # ---- the ping-pong schedule (`Sm80FwdConfig.pingpong`) ------------------------------------
+    # Two groups of four warps (warps 0-3 and 4-7, so every SM sub-partition holds one warp of
+    # each) take turns: while one issues its MMAs (O += P V of a block, then S = Q K^T of the
+    # next), the other runs its softmax, and a CTA barrier separates the turns. Group B runs one
+    # turn behind group A. Trip i (i = 0 .. blocks) holds two turns: in the first, A runs the
+    # MMAs of `pp_gemm(i)` and B the softmax of block n_last + 1 - i; in the second, A the
+    # softmax of block n_last - i and B the same MMAs. K and V of the block after next are copied
+    # at the start of each trip into the slots the trip before last left, and waited for at its
+    # end (two turns later, before the barrier that makes them visible).
+
+    @cute.jit
+    def attend_pingpong(self, n_last, n_block_min, k_rows_left, second, tiled_mma, acc_O, tSrQ, tSrK, tOrVt,
+                        tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K, smem_copy_V, load_K, load_V, softmax,
+                        mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale):
+        acc_S = cute.make_rmem_tensor(
+            tiled_mma.get_slice(0).partition_shape_C((self.cfg.tile_m, self.cfg.tile_n)), Float32)
+        pp = _PingPong(n_last, n_block_min, k_rows_left, second, tiled_mma, acc_O, tSrQ, tSrK, tOrVt, tSsQ,
+                       tSsK, tOsVt, smem_copy_Q, smem_copy_K, smem_copy_V, load_K, load_V, softmax, mask,
+                       tScS_mn, t0ScS_mn, m_block, softcap_prescale, acc_S,
+                       cute.make_fragment_like(acc_S, self.dtype))
+        # Each group runs its own copy of the schedule, so that neither's registers are live in
+        # the other's code; both pass the same CTA barriers in the same order.
+        if second:
+            self.pp_schedule(pp, True)
+        else:
+            self.pp_schedule(pp, False)
+
+    @cute.jit
+    def pp_schedule(self, pp, group_b: cutlass.Constexpr):
+        n_last = pp.n_last
+        cute.arch.cp_async_wait_group(1)  # Q and K[last]
+        cute.arch.barrier()
+        # trip 0: S of the first block (A), then its softmax (A) and S (B)
+        if cutlass.const_expr(not group_b):
+            self.pp_scores(pp, n_last)
+        cute.arch.barrier()
+        if cutlass.const_expr(group_b):
+            self.pp_scores(pp, n_last)
+        else:
+            self.pp_probs(pp, n_last, True)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        n_blocks = n_last + 1 - pp.n_block_min
+        # trip 1: B's softmax of the first block; the next block's S where there is one
+        self.pp_trip(pp, 1, group_b, True, n_blocks > 1)
+        for i in cutlass.range(2, n_blocks, unroll=1):
+            self.pp_trip(pp, i, group_b, False, True)
+        if n_blocks > 1:
+            self.pp_trip(pp, n_blocks, group_b, False, False)
+
+    @cute.jit
+    def pp_trip(self, pp, i, group_b: cutlass.Constexpr, b_first: cutlass.Constexpr, has_s):
+        """Trip i of the ping-pong for one group: its two turns, each closed by a barrier."""
+        n_pv, n_s = pp.n_last + 1 - i, pp.n_last - i
+        self.pp_loads(pp, i)
+        if cutlass.const_expr(group_b):
+            self.pp_probs(pp, n_pv, b_first)
+        else:
+            self.pp_gemms(pp, n_pv, n_s, has_s)
+        cute.arch.barrier()
+        if cutlass.const_expr(group_b):
+            self.pp_gemms(pp, n_pv, n_s, has_s)
+        elif has_s:
+            self.pp_probs(pp, n_s, False)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+
+    @cute.jit
+    def pp_loads(self, pp, i):
+        """At the start of trip i: K of block n_last - 1 - i and V of block n_last - i (the block
+        after next for each), into slot (n_last - block) % 2."""
+        n_last, n_block_min, load_K, load_V = pp.n_last, pp.n_block_min, pp.load_K, pp.load_V
+        if n_last - 1 - i >= n_block_min:
+            load_K(n_last - 1 - i, (i + 1) % 2, None)
+        if n_last - i >= n_block_min:
+            load_V(n_last - i, i % 2, None)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def pp_gemms(self, pp, n_pv, n_s, has_s):
+        """A turn's MMAs: O += P V of block n_pv, then S = Q K^T of block n_s if has_s."""
+        gemm_rs(pp.tiled_mma, pp.acc_O, acc_as_operand_a(pp.rP), pp.tOrVt,
+                self.stage_of(pp.tOsVt, (pp.n_last - n_pv) % 2), pp.smem_copy_V)
+        if has_s:
+            self.pp_scores(pp, n_s)
+
+    @cute.jit
+    def pp_scores(self, pp, n):
+        pp.acc_S.fill(0.0)
+        gemm_ss(pp.tiled_mma, pp.acc_S, pp.tSrQ, pp.tSrK, pp.tSsQ, self.stage_of(pp.tSsK, (pp.n_last - n) % 2),
+                pp.smem_copy_Q, pp.smem_copy_K)
+        if cutlass.const_expr(self.cfg.softcap):
+            for j in cutlass.range_constexpr(cute.size(pp.acc_S)):
+                pp.acc_S[j] = tanhf(pp.acc_S[j] * pp.softcap_prescale)
+
+    @cute.jit
+    def pp_probs(self, pp, n, is_first: cutlass.Constexpr):
+        """A turn's softmax of block n (the first block carries the key-length tail) into rP."""
+        if cutlass.const_expr(is_first):
+            pp.mask.apply(pp.acc_S, pp.tScS_mn, pp.t0ScS_mn, pp.m_block, n, True, False, False)
+        pp.softmax.step(pp.acc_S, pp.acc_O, is_first)
+        pp.rP.store(pp.acc_S.load().to(self.dtype))
 
     def stage_of(self, t: cute.Tensor, stage) -> cute.Tensor:
         """Slot `stage` of a K/V ring (its last mode); a one-stage ring has no stage mode."""
@@ -536,3 +660,21 @@ class FlashFwdSm80:
         gO = cute.local_tile(seqlen.q_rows(mO, batch, head), (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
         cols = headdim_v if cutlass.const_expr(cfg.check_hdim_v) else None
         store_staged_rows(gmem_copy_O, sO, gO, tidx, rows_left, cols)
+
+
+class _PingPong:
+    """What the ping-pong schedule's turns share (`FlashFwdSm80.attend_pingpong`): the block
+    range, the MMA operands and copies, the softmax, and the score and P fragments that live
+    from one turn to the next."""
+
+    def __init__(self, n_last, n_block_min, k_rows_left, second, tiled_mma, acc_O, tSrQ, tSrK, tOrVt,
+                 tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K, smem_copy_V, load_K, load_V, softmax,
+                 mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, acc_S, rP):
+        self.n_last, self.n_block_min, self.k_rows_left = n_last, n_block_min, k_rows_left
+        self.second = second  # group B: warps 4-7, one turn behind
+        self.tiled_mma, self.acc_O = tiled_mma, acc_O
+        self.tSrQ, self.tSrK, self.tOrVt, self.tSsQ, self.tSsK, self.tOsVt = tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt
+        self.smem_copy_Q, self.smem_copy_K, self.smem_copy_V = smem_copy_Q, smem_copy_K, smem_copy_V
+        self.load_K, self.load_V, self.softmax, self.mask = load_K, load_V, softmax, mask
+        self.tScS_mn, self.t0ScS_mn, self.m_block, self.softcap_prescale = tScS_mn, t0ScS_mn, m_block, softcap_prescale
+        self.acc_S, self.rP = acc_S, rP

@@ -67,6 +67,14 @@ TILES = {
 # against 322.9 for its 8-warp 128x128
 # (8 x 2048: 365.5 against 302.7; SDPA's FlashAttention-2 353.9 and 331.7).
 UNMASKED_TILES = {**TILES, 96: Tile(128, 64, 4, 2), 128: Tile(128, 32, 4, 2, min_ctas_per_sm=1)}
+# Unmasked prefill calls (not paged, not split-KV) at these head dims take a 256-row tile whose two
+# groups of 4 warps take turns (`Sm80FwdConfig.pingpong`), unless their 256-row query tiles are
+# too few to give every SM one (`few_query_tiles`: they keep UNMASKED_TILES, twice the CTAs). On an
+# H200 (bf16, `benchmarks/tune_tiles.py --arch sm_80 --head-dim 128 --rounds 5`, medians) hd128
+# 256x32 with the turns 408.4 TFLOP/s at 2 x 8192 x 16 heads against 387.1 for the 128x32 tile
+# and 317.4 for 256x32 without the turns (SDPA's FlashAttention-2 347.7); 8 x 2048 381.5 against
+# 372.4 (334.3).
+PINGPONG_TILES = {128: Tile(256, 32, 8, 2, min_ctas_per_sm=1)}
 # Head dims whose unmasked calls take the lazy rescale (`Sm80FwdConfig.lazy_rescale`): on an H200
 # (as above) hd64 354.1 against 335.1 TFLOP/s; with a causal mask it gained nothing (hd64 299.0
 # against 298.3; hd128 on 128x32 above), so masked calls stay eager, but for hd128's causal calls
@@ -136,6 +144,9 @@ class Sm80FwdConfig:
     # when they do, skips the quad's max shuffles, the factors and O's rescale (as the sm_90
     # kernel's `keep_vote`; `common/softmax.py`)
     keep_vote: bool = False
+    # Two groups of four warps take turns, one running its MMAs while the other runs its softmax
+    # (`FlashFwdSm80.attend_pingpong`): 8 warps, two K/V stages, no mask but the key-length tail
+    pingpong: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -146,6 +157,13 @@ class Sm80FwdConfig:
         for flag in ("page_size_pow2", "pages_hold_tiles"):
             if getattr(self, flag) and not self.paged_kv:
                 raise ValueError(f"{flag} needs paged_kv")
+        if self.pingpong:
+            if self.num_warps != 8 or self.num_stages != 2:
+                raise ValueError("pingpong takes turns between two groups of 4 warps over 2 K/V stages: "
+                                 f"num_warps 8 and num_stages 2, got {self.num_warps} and {self.num_stages}")
+            for flag in ("causal", "local", "paged_kv", "split_kv"):
+                if getattr(self, flag):
+                    raise NotImplementedError(f"pingpong with {flag}")
         if self.num_stages not in (1, 2):
             raise ValueError(f"num_stages must be 1 or 2; got {self.num_stages}")
         # Q, K and V, O come by 128-bit row copies
@@ -173,6 +191,8 @@ class Sm80FwdConfig:
             flags.append("lazy")
         if self.keep_vote:
             flags.append("keepvote")
+        if self.pingpong:
+            flags.append("pp")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}"
         return "_".join(["fwd_sm80", self.dtype, hd, tile] + flags)
@@ -183,11 +203,12 @@ NO_KEEP_VOTE = dict(keep_vote=False)
 
 
 def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool = False,
-                page_size: Optional[int] = None, **flags) -> Sm80FwdConfig:
+                page_size: Optional[int] = None, few_query_tiles: bool = False, **flags) -> Sm80FwdConfig:
     """The shipped configuration for actual head dims (any multiples of 8 up to 256) and flags.
 
     `short_queries`: every (sequence, head) has at most SHORT_QUERY_ROWS query rows, as in
-    decode (the tile then comes from SHORT_QUERY_TILES). `page_size`: a paged cache's (sets
+    decode (the tile then comes from SHORT_QUERY_TILES). `few_query_tiles`: the call has fewer
+    PINGPONG_TILES query tiles than the GPU has SMs (it then keeps UNMASKED_TILES). `page_size`: a paged cache's (sets
     paged_kv and, from it and the tile, page_size_pow2 and pages_hold_tiles). With split_kv the
     kernel writes partial LSEs and the combine the final one, so has_lse is off: one forward
     kernel serves calls with and without return_lse.
@@ -212,7 +233,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
         per_row = _looks_up_pages_per_row(tile, key, flags)
         flags.update(paged_kv=True, page_size_pow2=page_size & (page_size - 1) == 0,
                      pages_hold_tiles=page_size % tile.tile_n == 0 and not per_row)
-    return Sm80FwdConfig(
+    config = Sm80FwdConfig(
         dtype=dtype,
         head_dim=hd,
         head_dim_v=hdv,
@@ -225,6 +246,37 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_queries: bool 
         check_hdim_v=hdv != head_dim_v,
         **flags,
     )
+    if unmasked_prefill and not few_query_tiles:
+        return with_pingpong(config)
+    return config
+
+
+def _on_tile(config: Sm80FwdConfig, tile: Tile, **fields) -> Sm80FwdConfig:
+    return replace(config, tile_m=tile.tile_m, tile_n=tile.tile_n, num_warps=tile.num_warps,
+                   num_stages=tile.num_stages, min_ctas_per_sm=tile.min_ctas_per_sm, **fields)
+
+
+def with_pingpong(config: Sm80FwdConfig) -> Sm80FwdConfig:
+    """An unmasked prefill configuration on UNMASKED_TILES moved to its head dim's PINGPONG_TILES
+    tile with the turns; any other configuration (paged, split-KV, another tile, or a narrow V
+    whose 256-thread row copies would overrun the 32-key tile) unchanged."""
+    key = max(config.head_dim, config.head_dim_v)
+    if (key not in PINGPONG_TILES or config.pingpong or _masked(vars(config)) or config.paged_kv
+            or config.split_kv or config.tile_m != UNMASKED_TILES[key].tile_m
+            or config.tile_n != UNMASKED_TILES[key].tile_n or config.num_warps != UNMASKED_TILES[key].num_warps):
+        return config
+    try:
+        return _on_tile(config, PINGPONG_TILES[key], pingpong=True)
+    except ValueError:  # check_row_copy_passes
+        return config
+
+
+def without_pingpong(config: Sm80FwdConfig) -> Sm80FwdConfig:
+    """A ping-pong configuration back on its UNMASKED_TILES tile (what `make_config` gives with
+    `few_query_tiles`); any other configuration unchanged."""
+    if not config.pingpong:
+        return config
+    return _on_tile(config, UNMASKED_TILES[max(config.head_dim, config.head_dim_v)], pingpong=False)
 
 
 def _masked(flags: dict) -> bool:
@@ -265,14 +317,25 @@ def shipped_configs() -> list:
         for causal in (False, True)
     ]
     for d in (64, 128, 256):
-        base = make_config("bfloat16", d, d)
+        base = without_pingpong(make_config("bfloat16", d, d))
         configs += [
             replace(base, local=True),
             replace(base, softcap=True, causal=True),
             replace(base, varlen_q=True, varlen_k=True, seqused_k=True, causal=True),
             replace(base, check_hdim=True, check_hdim_v=True),
         ]
-    configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64)]
+    # the ping-pong tile with each unmasked feature, and the tile its calls keep when their query
+    # tiles are few
+    for d in PINGPONG_TILES:
+        base = make_config("bfloat16", d, d)
+        configs += [
+            replace(base, softcap=True),
+            replace(base, varlen_q=True, varlen_k=True, seqused_k=True),
+            replace(base, check_hdim=True, check_hdim_v=True),
+            make_config("float16", d, d, few_query_tiles=True),
+        ]
+    configs += [make_config("bfloat16", 192, 128, causal=True), make_config("float16", 128, 64),
+                make_config("bfloat16", 64, 128)]
     # inference: the paged split-KV decode kernel per large head dim, paged alone (the table's
     # full capacity as the key length), and split-KV over packed keys; pages of 64 tokens (one
     # tile each) for decode, of 16 (4 per tile, looked up per row) for the prefill tile, of 24
