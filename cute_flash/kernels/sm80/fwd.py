@@ -16,6 +16,10 @@ One CTA computes one (query block, head, batch) tile of O:
    shared memory (over the Q tile), and stored with 128-bit predicated stores; the LSE
    (natural log, float32) is written by the lane that owns column 0 of each row.
 
+The ping-pong schedule (`pingpong`: 8 warps, 256 rows, unmasked calls) runs the same steps in two
+groups of four warps that take turns, one group's MMAs (P V of a block, then S of the next)
+beside the other's softmax, each SM sub-partition holding one warp of each; see `attend_pingpong`.
+
 Tiles that hold no visible key do no loads and no MMAs; their rows get O = 0 and LSE = -inf.
 A CTA whose query rows all lie past seqlen_q writes nothing.
 

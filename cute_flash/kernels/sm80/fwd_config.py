@@ -19,7 +19,8 @@ P V). hd128 takes 128x128 with 8 warps and one stage, with ptxas told one CTA pe
 with 4 warps and two stages, 323.9 for 128x64 with 8 warps and 300.0 for 64x128 with 4 warps.
 Without a mask hd96 and hd128 take 32 rows per warp after all, with the lazy rescale
 (UNMASKED_TILES), and hd128's causal calls take that tile too, with the lazy rescale and the keep
-vote (CAUSAL_TILES, KEEP_VOTE_HEADDIMS).
+vote (CAUSAL_TILES, KEEP_VOTE_HEADDIMS). hd128's unmasked calls with enough query rows take 256 rows
+with 8 warps in two groups that take turns (PINGPONG_TILES, `pingpong`).
 """
 
 from __future__ import annotations
