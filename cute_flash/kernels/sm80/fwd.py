@@ -361,7 +361,7 @@ class FlashFwdSm80:
 
             if cutlass.const_expr(cfg.pingpong):
                 self.attend_pingpong(
-                    n_last, n_block_min, k_rows_left, tidx >= self.num_threads // 2, tiled_mma, acc_O, tSrQ, tSrK,
+                    n_last, n_block_min, tidx >= self.num_threads // 2, tiled_mma, acc_O, tSrQ, tSrK,
                     tOrVt, tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K, smem_copy_V, load_K, load_V, softmax,
                     mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale,
                 )
@@ -489,18 +489,18 @@ class FlashFwdSm80:
     # each) take turns: while one issues its MMAs (O += P V of a block, then S = Q K^T of the
     # next), the other runs its softmax, and a CTA barrier separates the turns. Group B runs one
     # turn behind group A. Trip i (i = 0 .. blocks) holds two turns: in the first, A runs the
-    # MMAs of `pp_gemm(i)` and B the softmax of block n_last + 1 - i; in the second, A the
+    # MMAs of `pp_gemms` and B the softmax of block n_last + 1 - i; in the second, A the
     # softmax of block n_last - i and B the same MMAs. K and V of the block after next are copied
     # at the start of each trip into the slots the trip before last left, and waited for at its
     # end (two turns later, before the barrier that makes them visible).
 
     @cute.jit
-    def attend_pingpong(self, n_last, n_block_min, k_rows_left, second, tiled_mma, acc_O, tSrQ, tSrK, tOrVt,
+    def attend_pingpong(self, n_last, n_block_min, second, tiled_mma, acc_O, tSrQ, tSrK, tOrVt,
                         tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K, smem_copy_V, load_K, load_V, softmax,
                         mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale):
         acc_S = cute.make_rmem_tensor(
             tiled_mma.get_slice(0).partition_shape_C((self.cfg.tile_m, self.cfg.tile_n)), Float32)
-        pp = _PingPong(n_last, n_block_min, k_rows_left, second, tiled_mma, acc_O, tSrQ, tSrK, tOrVt, tSsQ,
+        pp = _PingPong(n_last, n_block_min, second, tiled_mma, acc_O, tSrQ, tSrK, tOrVt, tSsQ,
                        tSsK, tOsVt, smem_copy_Q, smem_copy_K, smem_copy_V, load_K, load_V, softmax, mask,
                        tScS_mn, t0ScS_mn, m_block, softcap_prescale, acc_S,
                        cute.make_fragment_like(acc_S, self.dtype))
@@ -671,10 +671,10 @@ class _PingPong:
     range, the MMA operands and copies, the softmax, and the score and P fragments that live
     from one turn to the next."""
 
-    def __init__(self, n_last, n_block_min, k_rows_left, second, tiled_mma, acc_O, tSrQ, tSrK, tOrVt,
+    def __init__(self, n_last, n_block_min, second, tiled_mma, acc_O, tSrQ, tSrK, tOrVt,
                  tSsQ, tSsK, tOsVt, smem_copy_Q, smem_copy_K, smem_copy_V, load_K, load_V, softmax,
                  mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, acc_S, rP):
-        self.n_last, self.n_block_min, self.k_rows_left = n_last, n_block_min, k_rows_left
+        self.n_last, self.n_block_min = n_last, n_block_min
         self.second = second  # group B: warps 4-7, one turn behind
         self.tiled_mma, self.acc_O = tiled_mma, acc_O
         self.tSrQ, self.tSrK, self.tOrVt, self.tSsQ, self.tSsK, self.tOsVt = tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt
