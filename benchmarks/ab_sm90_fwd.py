@@ -17,17 +17,17 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
 * `keepvote` (`keep_vote`, with the lazy rescale; `no keepvote` where shipped, head dims 64, 96 and 128):
   each warp votes on whether all its rows keep their references, from its lanes' own maxima,
   and skips the max shuffles and the rescale's selects when they do;
-* `pvwait0` / `8` / `12` / `16` / `20` / `24` (`keepvote pvwaitK` where the keep vote is not
+* `pvwait0` / `8` / `12` / `16` / `20` / `24` / `32` (`keepvote pvwaitK` where the keep vote is not
   shipped; also on the K/V clusters, `cluster [grid] [keepvote] pvwaitK`; the shipped K left
   out): the keep vote with the P·V wait right after the vote's branches, which then hold only a
-  thread's first K exponentials (`pv_wait_at`); `pvwait end` where a K is shipped (head dim 128):
-  the wait after the softmax, all exponentials in the branches;
+  thread's first K exponentials (`pv_wait_at`); `[cluster [grid]] pvwait end` where a K is
+  shipped: the wait after the softmax, all exponentials in the branches;
 * with the tile counter (persistent causal calls), `stride` (a fixed stride over the tiles
   instead) and `late take` / `early take` (`late_take` flipped: the add that takes the next tile
   issued after or before the current tile's loads);
 * with a causal mask, `compares` (`mask_bits=False`): each masked element's column compared
   with its row's limit, instead of the limit turned into a bit mask of the row's elements;
-* with a causal mask at head dims 64 and 128, `whole` (`masked_halves=False`): every masked key
+* with a causal mask at head dim 64, `whole` (`masked_halves=False`): every masked key
   block's GEMMs over all of its keys, also for a warpgroup that sees half of them or none;
 * at head dims 192 and 256: the other GEMM-issue schedule, `no pingpong` at 192 (the consumer
   warpgroups issuing their GEMMs freely, shipped before 2026-12-01) and `pingpong` at 256, and,
@@ -43,6 +43,9 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   other `keep_vote` (`cluster [no] keepvote`, `cluster grid [no] keepvote`);
 * at head dim 96: `128x128` (two consumer warpgroups on 128 x 128, its tile before the three
   warpgroups of 192 rows) and `n96` (96 keys per block);
+* at head dim 128: `128x128` (its tile before 192 x 80, with the half blocks when causal; also
+  `128x128 cluster` without a mask and `128x128 cluster grid` with one), `192x64` (64 keys per
+  block; `192x64 cluster` without a mask) and `s3` (three K/V stages; `cluster s3`);
 * at head dims 64 and 96: `psmem` (`p_in_smem`: P·V reads P from shared memory) on the shipped
   tile and on wider key blocks (`n128`, `n144` at 96; `n192` at 64), with the half
   blocks where a causal call's blocks are 128 keys wide, on one CTA per tile (`grid`) where the
@@ -86,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 HEADS = {64: 32, 96: 16, 128: 16, 192: 8, 256: 16}
 # `pv_wait_at` of the `pvwait` variants: exponentials before the P·V wait
-PV_WAITS = (0, 8, 12, 16, 20, 24)
+PV_WAITS = (0, 8, 12, 16, 20, 24, 32)
 
 
 def variants(head_dim: int, causal: bool, only=None) -> list:
@@ -107,8 +110,6 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     # the keep vote with the P·V wait after the vote's branches, which hold the first K
     # exponentials of a thread (the rest after the wait)
     out += pv_waits("", shipped, shipped)
-    if shipped.pv_wait_at >= 0:  # the wait after the softmax, all exponentials in the branches
-        out += [("pvwait end", replace(shipped, pv_wait_at=-1))]
     if shipped.persistent:  # the one-tile-per-CTA grid
         out += [("grid", on_grid(shipped))]
     elif TILES[head_dim].persistent:  # persistent CTAs where the call does not ship them
@@ -137,11 +138,21 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
         cluster = replace(on_grid(shipped), cluster_kv=True)
         out += [("cluster grid", cluster), (f"cluster grid {kv_label}", toggle_vote(cluster))]
         out += pv_waits("cluster grid ", cluster, shipped)
-    if shipped.pairs_query_blocks and shipped.tile_n >= 96:
+    if shipped.pairs_query_blocks and shipped.tile_n >= 80:
         # the K/V clusters that calls with an even number of query blocks take (`with_cluster_kv`)
         cluster = replace(shipped, cluster_kv=True)
         out += [("cluster", cluster), (f"cluster {kv_label}", toggle_vote(cluster))]
         out += pv_waits("cluster ", cluster, shipped)
+    if head_dim == 128:  # its former tile (two warpgroups on 128 x 128), and 64 keys per block
+        former = replace(shipped, tile_m=128, num_consumer_wgs=2, tile_n=128,
+                         masked_halves=shipped.causal and shipped.persistent)
+        out += [("128x128", former), ("192x64", replace(shipped, tile_n=64)), ("s3", replace(shipped, num_stages=3))]
+        if not causal:
+            out += [("128x128 cluster", replace(former, cluster_kv=True)),
+                    ("192x64 cluster", replace(shipped, tile_n=64, cluster_kv=True)),
+                    ("cluster s3", replace(shipped, num_stages=3, cluster_kv=True))]
+        else:
+            out += [("128x128 cluster grid", replace(on_grid(former), cluster_kv=True))]
     if head_dim == 96:  # the 128-row tile of two warpgroups, and 96 keys per block
         out += [("128x128", replace(shipped, tile_m=128, num_consumer_wgs=2, tile_n=128)),
                 ("n96", replace(shipped, tile_n=96))]
@@ -170,11 +181,15 @@ def toggle_vote(config):
 def pv_waits(label: str, config, shipped) -> list:
     """The `pvwaitK` variants of `config` (labelled `label` [`keepvote `] `pvwaitK`): the keep
     vote with the P·V wait after its branches, which hold a thread's first K exponentials, for
-    the K of `PV_WAITS` that fit, bar the one `shipped` takes."""
+    the K of `PV_WAITS` that fit, bar the one `shipped` takes; where it takes one, also the
+    wait after the softmax (`pvwait end`)."""
     voting = config if config.keep_vote else replace(config, lazy_rescale=True, keep_vote=True)
     label += "" if shipped.keep_vote else "keepvote "
-    return [(f"{label}pvwait{k}", replace(voting, pv_wait_at=k)) for k in PV_WAITS
-            if k != shipped.pv_wait_at and _fits(voting, pv_wait_at=k)]
+    out = [(f"{label}pvwait{k}", replace(voting, pv_wait_at=k)) for k in PV_WAITS
+           if k != shipped.pv_wait_at and _fits(voting, pv_wait_at=k)]
+    if shipped.pv_wait_at >= 0:  # the wait after the softmax, all exponentials in the branches
+        out += [(f"{label}pvwait end", replace(voting, pv_wait_at=-1))]
+    return out
 
 
 def _fits(config, **change) -> bool:

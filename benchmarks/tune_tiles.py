@@ -90,12 +90,22 @@ def candidates(args) -> list:
     for spec in args.candidates:
         try:
             fields = parse_candidate(spec, args.arch)
-            if getattr(shipped, "masked_halves", False):  # the half blocks need 128 keys per block
-                fields.setdefault("masked_halves", fields.get("tile_n", shipped.tile_n) == 128)
+            if getattr(shipped, "causal", False) and hasattr(shipped, "masked_halves"):
+                # sm_90: the half blocks where a causal candidate can take them (128 keys per block)
+                halves = fields.get("tile_n", shipped.tile_n) == 128 and _fits(shipped, **{**fields, "masked_halves": True})
+                fields.setdefault("masked_halves", halves)
             out.append((spec, replace(shipped, **fields), None))
         except (ValueError, TypeError) as exc:
             out.append((spec, None, str(exc)))
     return out
+
+
+def _fits(config, **change) -> bool:
+    try:
+        replace(config, **change)
+    except ValueError:
+        return False
+    return True
 
 
 def compile_only(args, configs) -> None:

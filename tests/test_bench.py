@@ -402,10 +402,12 @@ def test_tile_candidates_parse_and_replace_only_the_tile():
     with pytest.raises(ValueError, match="not with -eager"):
         tune_tiles.parse_candidate("128x64w4s2-eager-vote", "sm_80")
     args = argparse.Namespace(
-        arch="sm_90a", dtype="bfloat16", head_dim=128, causal=True, candidates=["128x144w2s2", "100x128w2s2"])
-    (label, shipped, _), (_, tuned, _), (_, bad, why) = tune_tiles.candidates(args)
+        arch="sm_90a", dtype="bfloat16", head_dim=128, causal=True,
+        candidates=["128x144w2s2", "100x128w2s2", "128x128w2s2", "128x128w2s2-grid"])
+    (label, shipped, _), (_, tuned, _), (_, bad, why), (_, square, _), (_, grid, _) = tune_tiles.candidates(args)
     assert label == "shipped" and tuned.causal and tuned.tile_n == 144
-    assert shipped.masked_halves and not tuned.masked_halves  # half blocks need 128 keys
+    # half blocks need 128 keys and the persistent loop
+    assert not shipped.masked_halves and not tuned.masked_halves and square.masked_halves and not grid.masked_halves
     assert replace_tile(tuned, shipped) == shipped  # nothing but the tile differs
     assert bad is None and "64 per consumer warpgroup" in why
 

@@ -59,10 +59,13 @@ def test_sm90_shipped_tiles_rescale_lazily_and_keep_the_eager_variant_compiled(h
     config = fc.make_config("bfloat16", headdim, headdim, causal=causal)
     assert config.lazy_rescale
     assert config.keep_vote == (headdim in (64, 96, 128))
-    # the P·V wait after 16 of a thread's exponentials, at head dim 128 (`pv_wait_at`)
-    assert config.pv_wait_at == (16 if headdim == 128 else -1)
-    assert fc.make_config("bfloat16", 128, 128, keep_vote=False).pv_wait_at == -1
-    assert fc.make_config("bfloat16", 128, 128, intra_wg_overlap=False).pv_wait_at == -1
+    # the P·V wait after 16 of a thread's exponentials on head dim 128's tile of short causal
+    # sequences (`pv_wait_at`), after the softmax elsewhere
+    assert config.pv_wait_at == -1
+    short = dict(causal=True, short_sequences=True)
+    assert fc.make_config("bfloat16", headdim, headdim, **short).pv_wait_at == (16 if headdim == 128 else -1)
+    assert fc.make_config("bfloat16", 128, 128, keep_vote=False, **short).pv_wait_at == -1
+    assert fc.make_config("bfloat16", 128, 128, intra_wg_overlap=False, **short).pv_wait_at == -1
     # a padded head dim takes its tile's rescale; an explicit choice wins, and the eager rescale
     # has no vote on kept references
     assert fc.make_config("bfloat16", 40, 40).keep_vote is True
@@ -226,7 +229,8 @@ def test_sm90_every_shipped_config_compiles_without_spills_with_hgmma_tma_and_se
 
 def test_sm90_warmup_of_a_call_compiles_its_k_v_cluster_variant_too(tmp_path, monkeypatch):
     """A dict entry compiles what a call with those flags may run: also the `cluster_kv` kernel
-    of calls with an even number of query blocks (causal: enough of them, on one CTA per tile)."""
+    of calls with an even number of query blocks (causal: enough of them, on one CTA per tile),
+    and a causal call's kernel on the tile of short sequences."""
     import warnings
 
     from cute_flash import backends
@@ -242,9 +246,11 @@ def test_sm90_warmup_of_a_call_compiles_its_k_v_cluster_variant_too(tmp_path, mo
     single = fc.make_config(**plain)
     causal = fc.make_config(**plain, causal=True)
     causal_cluster = fc.with_cluster_kv(causal, fc.CAUSAL_CLUSTER_MIN_BLOCKS)
-    assert configs == [single, fc.with_cluster_kv(single, 2), causal, causal_cluster]
+    short = fc.make_config(**plain, causal=True, short_sequences=True)
+    assert configs == [single, fc.with_cluster_kv(single, 2), causal, short, causal_cluster]
     assert configs[1].cluster_kv and causal_cluster.cluster_kv and not causal_cluster.persistent
-    assert [r[1] for r in report] == ["compiled"] * 4
+    assert (short.tile_m, short.tile_n) == (128, 128) != (causal.tile_m, causal.tile_n)
+    assert [r[1] for r in report] == ["compiled"] * 5
 
 
 @pytest.mark.parametrize("headdim", fc.TILE_HEADDIMS + (40, 120))
@@ -283,8 +289,9 @@ def test_sm90_masked_halves_where_key_blocks_are_128_and_masked(headdim):
 def test_sm90_masked_halves_issue_64_key_gemms_without_serializing(headdim, tmp_path):
     """The half blocks' S GEMM is an HGMMA of 64 keys next to the whole blocks' 128, and its
     branches leave ptxas's WGMMA pipeline intact (no serialization remark, no spills); without
-    `masked_halves` every S GEMM takes 128 keys (at head dim 64, P·V's HGMMAs are 64 wide too)."""
-    halves = fc.make_config("bfloat16", headdim, headdim, causal=True)
+    `masked_halves` every S GEMM takes 128 keys (at head dim 64, P·V's HGMMAs are 64 wide too).
+    Head dim 128 on its tile of short sequences."""
+    halves = fc.make_config("bfloat16", headdim, headdim, causal=True, short_sequences=True)
     whole = replace(halves, masked_halves=False)
     hgmma = {}
     for config in (halves, whole):
@@ -293,6 +300,53 @@ def test_sm90_masked_halves_issue_64_key_gemms_without_serializing(headdim, tmp_
     assert hgmma[True][64] > hgmma[False][64] and hgmma[True][128] and hgmma[False][128], hgmma
     if headdim == 128:
         assert hgmma[False][64] == 0, hgmma
+
+
+@pytest.mark.parametrize("headdim", fc.TILE_HEADDIMS + (120,))
+def test_sm90_short_causal_sequences_take_their_own_tile(headdim):
+    """`short_sequences`: causal calls (not windowed ones) at head dim 128, and those padded to
+    it, take 128 x 128 with the half blocks, the same flags otherwise; every other call keeps its
+    tile. `short_sequence_variant` gives the same configuration from the table's."""
+    padded = fc.pad_headdim(headdim, fc.TILE_HEADDIMS)
+    for flags in ({}, {"causal": True}, {"local": True}, {"causal": True, "softcap": True, "varlen_q": True,
+                                                          "varlen_k": True}):
+        long = fc.make_config("bfloat16", headdim, headdim, **flags)
+        short = fc.make_config("bfloat16", headdim, headdim, short_sequences=True, **flags)
+        assert fc.short_sequence_variant(long) == short
+        if flags.get("causal") and padded == 128:
+            assert (short.tile_m, short.tile_n, short.num_consumer_wgs) == (128, 128, 2) and short.masked_halves
+            assert (long.tile_m, long.tile_n, long.num_consumer_wgs) == (192, 80, 3) and not long.masked_halves
+            assert replace(short, tile_m=192, tile_n=80, num_consumer_wgs=3, masked_halves=False, pv_wait_at=-1) == long
+            assert short.pv_wait_at == 16
+            assert short in fc.shipped_configs() or flags.get("softcap")
+        else:
+            assert short == long
+    # on one CTA per tile the half blocks stay off
+    grid = fc.make_config("bfloat16", headdim, headdim, causal=True, persistent=False)
+    assert not fc.short_sequence_variant(grid).masked_halves
+
+
+def test_sm90_backend_hints_short_sequences_from_max_seqlen_q():
+    """`CuteSm90Backend.tile_hints`: a causal call whose longest sequence has at most
+    SHORT_SEQUENCE_ROWS query rows runs the tile of short sequences, packed (varlen) calls by
+    their max_seqlen_q; longer ones and calls without a mask keep the table's."""
+    import torch
+
+    from cute_flash.backends.base import AttnArgs
+    from cute_flash.backends.cute import CuteSm90Backend
+
+    backend = CuteSm90Backend()
+    rows = fc.SHORT_SEQUENCE_ROWS
+    for seqlen, causal, tile in ((rows, True, (128, 128)), (rows + 1, True, (192, 80)), (rows, False, (192, 80))):
+        q = torch.empty(1, seqlen, 4, 128, dtype=torch.bfloat16)
+        config = backend.config(q, q, q, None, AttnArgs(0.1, causal=causal))
+        assert (config.tile_m, config.tile_n) == tile, (seqlen, causal, config.name)
+    q = torch.empty(3 * rows, 4, 128, dtype=torch.bfloat16)
+    for longest, tile in ((rows, (128, 128)), (rows + 8, (192, 80))):
+        cu = torch.tensor([0, longest, 2 * rows, 3 * rows], dtype=torch.int32)
+        args = AttnArgs(0.1, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+        config = backend.config(q, q, q, None, args)
+        assert (config.tile_m, config.tile_n) == tile and config.varlen_q, config.name
 
 
 def test_sm90_p_in_smem_is_opt_in_and_counts_its_shared_memory():
@@ -357,7 +411,7 @@ def test_sm90_pv_wait_at_splits_the_exponentials_at_the_wait(headdim, wait_at, t
     """With `pv_wait_at` = K both branches of the vote hold a thread's first K exponentials (of
     tile_n / 2) and the row factors' (one per row, on the path that moves references), and one
     P·V wait follows them with the rest; without it the branches hold all of them. No spills.
-    Head dim 128 ships K = 16."""
+    Head dim 128 ships K = 16 on its tile of short causal sequences."""
     import sys
     from pathlib import Path
 
@@ -366,8 +420,8 @@ def test_sm90_pv_wait_at_splits_the_exponentials_at_the_wait(headdim, wait_at, t
 
     voting = fc.make_config("bfloat16", headdim, headdim, keep_vote=True, pv_wait_at=-1)
     per_thread, rows = voting.tile_n // 2, 2
-    if headdim == 128:
-        assert fc.make_config("bfloat16", headdim, headdim) == replace(voting, pv_wait_at=wait_at)
+    if headdim == 128:  # shipped on the tile of short causal sequences
+        assert fc.make_config("bfloat16", headdim, headdim, causal=True, short_sequences=True).pv_wait_at == wait_at
     for config, in_branches in ((voting, per_thread), (replace(voting, pv_wait_at=wait_at), wait_at)):
         body, _ = loop_sass.analyse(_clean_sass(config, tmp_path), headdim // 16 + config.tile_n // 16)
         exps = sum("MUFU.EX2" in inst for inst in body)

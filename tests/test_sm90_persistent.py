@@ -45,7 +45,7 @@ def test_persistent_schedule_one_cta_per_sm_at_most_one_per_tile():
     assert config.persistent
     q = _q(2, 8192, 16)
     assert persistent_schedule(config, q, q, AttnArgs(0.1), num_sms=132) == (132, 1)
-    small = _q(1, 130, 2)  # 2 query blocks x 2 heads
+    small = _q(1, 200, 2)  # 2 query blocks of 192 rows x 2 heads
     assert persistent_schedule(config, small, small, AttnArgs(0.1), num_sms=132) == (4, 1)
 
 
@@ -66,7 +66,7 @@ def test_persistent_flag_names_smem_and_table():
     base = fc.make_config("bfloat16", 128, 128, persistent=False)
     persistent = fc.make_config("bfloat16", 128, 128)
     assert persistent.name == base.name + "_persistent"
-    assert persistent.smem_bytes - base.smem_bytes == 2 * 128 * 128  # O apart from Q
+    assert persistent.smem_bytes - base.smem_bytes == 2 * persistent.tile_m * 128  # O apart from Q
     assert fc.make_config("bfloat16", 64, 64).persistent
     # causal tiles come from the tile counter (a fixed stride balances them badly), except where
     # that loop spills (hd64 with softcap)
@@ -202,7 +202,7 @@ def test_split_kv_forward_and_combine_launch_with_the_same_batch_and_query_rows(
 def test_kv_clusters_pair_query_blocks_that_see_the_same_keys():
     backend = CuteSm90Backend()
     args = AttnArgs(0.1)
-    even, odd = _q(2, 1024, 16), _q(2, 1100, 16)  # 8 and 9 query blocks of 128
+    even, odd = _q(2, 1024, 16), _q(2, 900, 16)  # 6 and 5 query blocks of 192
     config = backend.config(even, even, even, None, args)
     assert config.cluster_kv and config.name.endswith("_persistent_cluster")
     assert not backend.config(odd, odd, odd, None, args).cluster_kv
@@ -210,11 +210,12 @@ def test_kv_clusters_pair_query_blocks_that_see_the_same_keys():
     assert not backend.config(even, even, even, None, causal).cluster_kv
     local = AttnArgs(0.1, window_left=64, window_right=0)
     assert not backend.config(even, even, even, None, local).cluster_kv
-    # causal calls from 64 query blocks on, at head dims 128 and 192, on one CTA per tile
-    long = _q(2, 64 * 128, 16)
+    # causal calls from 64 query blocks on, at head dims 128 (192 rows) and 192 (128 rows), on
+    # one CTA per tile
+    long = _q(2, 64 * 192, 16)
     config = backend.config(long, long, long, None, causal)
     assert config.cluster_kv and not config.persistent and not config.tile_counter
-    assert not backend.config(_q(2, 62 * 128, 16), long, long, None, causal).cluster_kv
+    assert not backend.config(_q(2, 62 * 192, 16), long, long, None, causal).cluster_kv
     assert backend.config(*[_q(2, 64 * 128, 8, 192)] * 3, None, causal).cluster_kv
     assert not backend.config(*[_q(2, 64 * 192, 32, 64)] * 3, None, causal).cluster_kv
     assert not backend.config(*[_q(2, 64 * 128, 8, 256)] * 3, None, causal).cluster_kv
@@ -259,8 +260,8 @@ def test_kv_cluster_launch_refuses_an_odd_number_of_query_blocks():
         backend.launch_extra(config, odd, odd, AttnArgs(0.1), backend.cache.args)
     causal = fc.with_cluster_kv(fc.make_config("bfloat16", 128, 128, causal=True), 64)
     assert causal.cluster_kv and not causal.persistent
-    with pytest.raises(ValueError, match="odd number of 128-row blocks"):
-        backend.launch_extra(causal, *[_q(1, 64 * 128 + 10, 2)] * 2, AttnArgs(0.1, causal=True), backend.cache.args)
+    with pytest.raises(ValueError, match="odd number of 192-row blocks"):
+        backend.launch_extra(causal, *[_q(1, 64 * 192 + 10, 2)] * 2, AttnArgs(0.1, causal=True), backend.cache.args)
 
 
 def test_max_active_clusters_is_none_where_the_driver_cannot_say():

@@ -674,12 +674,22 @@ class CuteSm90Backend(_CuteBackend):
         _, max_seqlen_q = query_sizes(q, args)
         return with_cluster_kv(config, -(-max_seqlen_q // config.tile_m))
 
-    def shape_variants(self, config) -> list:
-        """`config` and, where a call with enough query blocks in pairs takes it, its K/V-cluster
-        variant (`with_cluster_kv`)."""
-        from ..kernels.sm90.fwd_config import CAUSAL_CLUSTER_MIN_BLOCKS, with_cluster_kv
+    def tile_hints(self, q, args: AttnArgs) -> dict:
+        """`short_sequences`: every sequence has at most SHORT_SEQUENCE_ROWS query rows (causal
+        calls then take SHORT_CAUSAL_TILES where it has their head dim)."""
+        from ..kernels.sm90.fwd_config import SHORT_SEQUENCE_ROWS
 
-        return list(dict.fromkeys([config, with_cluster_kv(config, CAUSAL_CLUSTER_MIN_BLOCKS)]))
+        _, max_seqlen_q = query_sizes(q, args)
+        return {"short_sequences": max_seqlen_q is not None and max_seqlen_q <= SHORT_SEQUENCE_ROWS}
+
+    def shape_variants(self, config) -> list:
+        """`config`, its variant on the tile of short sequences (`short_sequence_variant`) and,
+        where a call with enough query blocks in pairs takes it, its K/V-cluster variant
+        (`with_cluster_kv`)."""
+        from ..kernels.sm90.fwd_config import CAUSAL_CLUSTER_MIN_BLOCKS, short_sequence_variant, with_cluster_kv
+
+        return list(dict.fromkeys([config, short_sequence_variant(config),
+                                   with_cluster_kv(config, CAUSAL_CLUSTER_MIN_BLOCKS)]))
 
     def launch_extra(self, config, q, k, args: AttnArgs, a: KernelArgs) -> tuple:
         """The persistent grid's size (ignored by the one-CTA-per-tile kernels, which take it all
@@ -784,7 +794,8 @@ def warmup(configs: Iterable, backend: Optional[str] = None, arch: Optional[str]
     arguments, e.g. `{"dtype": "bfloat16", "head_dim": 128, "head_dim_v": 128, "causal": True}`.
     On cute-sm90 a dict also compiles the configuration's K/V-cluster variant where the call's
     shape may pick it (`with_cluster_kv`: calls with an even number of query blocks and no window,
-    causal ones with enough of them).
+    causal ones with enough of them), and a causal one's variant on the tile of short sequences
+    (`short_sequence_variant`: calls of at most SHORT_SEQUENCE_ROWS query rows per sequence).
     `backend` is "cute-sm80" or "cute-sm90" (default: the current GPU's cute backend); `arch`
     defaults to the current GPU's. Returns one (config, source, seconds) per configuration,
     source being "memory", "disk" or "compiled".

@@ -19,6 +19,8 @@ from attention_oracle import (
     randn_in_nan, run_forward, strided_qkv,
 )
 from cute_flash.backends.base import AttnArgs
+from cute_flash.kernels.common.tiles import pad_headdim
+from cute_flash.kernels.sm90 import fwd_config
 from cute_flash.kernels.sm90.fwd_config import NO_KEEP_VOTE, ON_GRID, on_grid
 
 pytestmark = pytest.mark.gpu
@@ -57,6 +59,23 @@ def _launch_config(backend, config, q, k, v, out, lse, args: AttnArgs) -> None:
     torch.cuda.synchronize()
 
 
+@pytest.fixture(params=["short", "wide"])
+def causal_tile(request, monkeypatch):
+    """Causal calls at head dim 128 of at most SHORT_SEQUENCE_ROWS query rows per sequence run
+    128 x 128 (`short_sequences`), longer ones the table's 192 x 80: "wide" lowers the bound to 0,
+    so that a test's short causal calls run 192 x 80 too."""
+    if request.param == "wide":
+        monkeypatch.setattr(fwd_config, "SHORT_SEQUENCE_ROWS", 0)
+    return request.param
+
+
+def _one_tile(causal_tile, causal, *head_dims):
+    """Skip the "wide" run of a call whose tile does not depend on the length of its sequences."""
+    padded = max(pad_headdim(d, fwd_config.TILE_HEADDIMS) for d in head_dims)
+    if causal_tile == "wide" and not (causal and padded in fwd_config.SHORT_CAUSAL_TILES):
+        pytest.skip("one tile for every length")
+
+
 def _args(d, causal=False, **kw):
     return AttnArgs(softmax_scale=kw.pop("softmax_scale", 1.0 / math.sqrt(d)), causal=causal,
                     window_right=0 if causal else kw.pop("window_right", -1), **kw)
@@ -66,7 +85,8 @@ def _args(d, causal=False, **kw):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", HEADDIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sm90_fwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seqlen_q, seqlen_k):
+def test_sm90_fwd_matches_oracle_for_headdims_and_seqlens(causal_tile, dtype, d, causal, seqlen_q, seqlen_k):
+    _one_tile(causal_tile, causal, d)
     if seqlen_q * seqlen_k > 10**7 and d not in (64, 128, 256):
         pytest.skip("the longest pair runs for head dims 64/128/256 only")
     torch.manual_seed(seqlen_q * 7 + seqlen_k + d)
@@ -77,7 +97,8 @@ def test_sm90_fwd_matches_oracle_for_headdims_and_seqlens(dtype, d, causal, seql
 
 @pytest.mark.parametrize("nheads,nheads_k", [(6, 2), (8, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_fwd_gqa_and_mqa_share_kv_heads(nheads, nheads_k, causal):
+def test_sm90_fwd_gqa_and_mqa_share_kv_heads(causal_tile, nheads, nheads_k, causal):
+    _one_tile(causal_tile, causal, 128)
     torch.manual_seed(nheads * 10 + nheads_k)
     q, k, v = _qkv(5, 257, 300, nheads, nheads_k, 128, 128, torch.bfloat16)
     _check(q, k, v, _args(128, causal))
@@ -94,7 +115,8 @@ def test_sm90_fwd_sliding_window(d, seqlen_q, seqlen_k, window):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_sm90_fwd_softcap(d, causal):
+def test_sm90_fwd_softcap(causal_tile, d, causal):
+    _one_tile(causal_tile, causal, d)
     torch.manual_seed(d)
     q, k, v = _qkv(2, 333, 517, 3, 3, d, d, torch.bfloat16)
     _check(q * 3, k, v, _args(d, causal, softcap=15.0))
@@ -128,7 +150,8 @@ def _varlen_batch(seqlens_q, seqlens_k, nheads, nheads_k, d, dv, dtype):
 @pytest.mark.parametrize("seqused", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
-def test_sm90_fwd_varlen_and_seqused_k(d, causal, seqused):
+def test_sm90_fwd_varlen_and_seqused_k(causal_tile, d, causal, seqused):
+    _one_tile(causal_tile, causal, d)
     torch.manual_seed(d + causal)
     seqlens_q = [1, 0, 113, 239, 1023, 64, 7]
     seqlens_k = [1, 5, 203, 1, 1024, 64, 300]
@@ -140,7 +163,8 @@ def test_sm90_fwd_varlen_and_seqused_k(d, causal, seqused):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_fwd_seqused_k_in_batch_mode(causal):
+def test_sm90_fwd_seqused_k_in_batch_mode(causal_tile, causal):
+    _one_tile(causal_tile, causal, 128)
     torch.manual_seed(3)
     q, k, v = _qkv(3, 200, 512, 2, 2, 128, 128, torch.float16)
     used = torch.tensor([512, 1, 333], dtype=torch.int32, device="cuda")
@@ -149,8 +173,9 @@ def test_sm90_fwd_seqused_k_in_batch_mode(causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_sm90_fwd_ignores_nan_keys_past_seqused_k(d, causal):
+def test_sm90_fwd_ignores_nan_keys_past_seqused_k(causal_tile, d, causal):
     """A cache holding NaN past seqused_k (stale or never written) must not reach the output."""
+    _one_tile(causal_tile, causal, d)
     torch.manual_seed(d + 1)
     q, k, v = _qkv(3, 150, 512, 2, 2, d, d, torch.bfloat16)
     used = [512, 77, 300]
@@ -171,7 +196,8 @@ def test_sm90_fwd_padded_headdims_read_no_padding(dtype, d):
 
 @pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (64, 128), (40, 96)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_fwd_headdim_v_differs(d, dv, causal):
+def test_sm90_fwd_headdim_v_differs(causal_tile, d, dv, causal):
+    _one_tile(causal_tile, causal, d, dv)
     torch.manual_seed(d + dv)
     dtype = torch.bfloat16 if causal else torch.float16
     q, k, v = _qkv(2, 211, 333, 4, 4, d, dv, dtype)
@@ -242,7 +268,7 @@ def test_sm90_fwd_schedule_variants_agree(overlap, pingpong):
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1001, 333), (1023, 1024), (2304, 2048)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d,tile_n,grid", [(64, 128, False), (64, 192, False), (96, 112, False), (96, 128, False),
-                                           (96, 144, True), (128, 128, False)])
+                                           (96, 144, True), (128, 80, False)])
 def test_sm90_fwd_p_in_smem_matches_oracle(d, tile_n, grid, causal, seqlen_q, seqlen_k):
     """`p_in_smem` (P·V reading P from shared memory, each warpgroup's slot reused every key
     block) on the shipped tiles and on the wider key blocks it makes room for, persistent or one
@@ -269,7 +295,7 @@ def test_sm90_fwd_p_in_smem_matches_oracle(d, tile_n, grid, causal, seqlen_q, se
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024), (1001, 333), (4224, 4224)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_sm90_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_q, seqlen_k, growing_max, lazy):
+def test_sm90_fwd_rescale_schedules_match_oracle(causal_tile, monkeypatch, d, causal, seqlen_q, seqlen_k, growing_max, lazy):
     """Lazy (the row max kept while it grows by <= 8, log2; shipped) or eager (every block moves
     it): out and LSE are the softmax's either way.
 
@@ -277,6 +303,7 @@ def test_sm90_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_
     order the kernel visits them (last key block first), so some blocks keep the reference and
     others move it; causal 1001 x 333 has rows that see no key (out 0, LSE -inf).
     """
+    _one_tile(causal_tile, causal, d)
     torch.manual_seed(d + seqlen_k + growing_max)
     q, k, v = _qkv(2, seqlen_q, seqlen_k, 2, 2, d, d, torch.bfloat16)
     check_rescale_schedule(monkeypatch, _backend(), q, k, v, _args(d, causal), growing_max, lazy)
@@ -286,7 +313,7 @@ def test_sm90_fwd_rescale_schedules_match_oracle(monkeypatch, d, causal, seqlen_
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1001, 333), (2304, 2048)])
 @pytest.mark.parametrize("causal,softcap", [(False, 0.0), (True, 0.0), (True, 30.0)])
 @pytest.mark.parametrize("d", HEADDIMS)
-def test_sm90_fwd_keep_vote_is_the_lazy_rescale_bit_for_bit(d, causal, softcap, seqlen_q, seqlen_k, growing_max):
+def test_sm90_fwd_keep_vote_is_the_lazy_rescale_bit_for_bit(causal_tile, d, causal, softcap, seqlen_q, seqlen_k, growing_max):
     """`keep_vote` (a warp whose rows all keep their references skips the shuffles and selects)
     gives the lazy rescale's out and LSE bit for bit, on the configuration each call picks (with
     or without the vote as shipped); both match the oracle. With the P·V wait after the vote's
@@ -296,6 +323,7 @@ def test_sm90_fwd_keep_vote_is_the_lazy_rescale_bit_for_bit(d, causal, softcap, 
     LSE seen). The ramp
     makes some blocks move a row's reference and others keep it; causal 1001 x 333 has rows that
     see no key."""
+    _one_tile(causal_tile, causal, d)
     torch.manual_seed(d + seqlen_k + growing_max)
     q, k, v = _qkv(2, seqlen_q, seqlen_k, 4, 2, d, d, torch.bfloat16)
     args = _args(d, causal, softcap=softcap)
@@ -325,11 +353,12 @@ def test_sm90_fwd_keep_vote_is_the_lazy_rescale_bit_for_bit(d, causal, softcap, 
 @pytest.mark.parametrize("schedule", ["counter", "other take", "stride", "grid"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1500, 1500), (1001, 333), (333, 1001)])
 @pytest.mark.parametrize("d", [64, 96, 128])
-def test_sm90_fwd_causal_schedules_cover_every_tile(d, seqlen_q, seqlen_k, schedule):
+def test_sm90_fwd_causal_schedules_cover_every_tile(causal_tile, d, seqlen_q, seqlen_k, schedule):
     """Causal calls with several times more tiles than SMs: persistent CTAs taking their tiles
     from the tile counter (shipped; the add that takes the next tile before or after a tile's
     loads, `late_take`), by a fixed stride, and one CTA per tile all store every tile (outputs
     start as NaN), rows that see no key included (1001 x 333)."""
+    _one_tile(causal_tile, True, d)
     backend = _backend()
     torch.manual_seed(d + seqlen_q)
     q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, d, torch.bfloat16)
@@ -373,16 +402,18 @@ def test_sm90_fwd_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, seqlen
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1001), (461, 1001), (1001, 333), (256, 4097), (2048, 2048)])
+# even numbers of query blocks of 128 rows (head dim 192) and of 192 (64 and 128)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1001), (701, 1001), (1001, 333), (256, 4097), (2304, 2304)])
 @pytest.mark.parametrize("d,dv,softcap", [(128, 128, 0.0), (192, 192, 0.0), (128, 128, 15.0), (192, 192, 15.0),
                                           (192, 128, 0.0), (64, 128, 0.0)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sm90_fwd_causal_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, softcap, seqlen_q, seqlen_k):
+def test_sm90_fwd_causal_kv_clusters_match_single_ctas_bit_for_bit(causal_tile, dtype, d, dv, softcap, seqlen_q, seqlen_k):
     """Causal K/V clusters (one CTA per tile): both CTAs walk the key blocks of the later query
     block, the earlier one letting those past its own go unread; the oracle passes and O and the
     LSE are bitwise those of single CTAs, soft-capped and with unequal head dims too. 1001 x 333
     has tiles that see no key next to tiles that do (the CTA with none still waits for the
     cluster's loads)."""
+    _one_tile(causal_tile, True, d, dv)
     backend = _backend()
     torch.manual_seed(d + dv + seqlen_q + seqlen_k)
     q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, dv, dtype)
@@ -403,11 +434,12 @@ def test_sm90_fwd_causal_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv,
     assert torch.equal(out2, out1) and torch.equal(lse2, lse1)
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(8192, 8192), (8400, 8333)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(12288, 12288), (12500, 12433)])
 @pytest.mark.parametrize("d", [128, 192])
 def test_sm90_fwd_long_causal_calls_take_kv_clusters_and_match_oracle(d, seqlen_q, seqlen_k):
     """What a causal call of 64 query blocks or more runs (`with_cluster_kv`: K/V clusters on one
-    CTA per tile) passes the oracle, a query tail and rows that see no key (8400 x 8333) too."""
+    CTA per tile; 64 and 66 blocks of 192 rows at head dim 128, 96 and 98 of 128 at 192) passes the
+    oracle, a query tail and rows that see no key (12500 x 12433) too."""
     backend = _backend()
     torch.manual_seed(d + seqlen_q)
     q, k, v = _qkv(1, seqlen_q, seqlen_k, 2, 1, d, d, torch.bfloat16)
@@ -423,7 +455,7 @@ def test_sm90_fwd_kv_cluster_grid_is_as_many_pairs_as_the_gpu_runs_at_once():
     from cute_flash.backends.cute import max_active_clusters, persistent_schedule
 
     backend = _backend()
-    q = torch.empty(2, 8192, 16, 128, dtype=torch.bfloat16, device="cuda")
+    q = torch.empty(2, 6144, 16, 128, dtype=torch.bfloat16, device="cuda")  # 32 blocks of 192 rows
     args = _args(128)
     config = backend.config(q, q, q, None, args)
     assert config.cluster_kv and config.persistent
@@ -438,10 +470,10 @@ def test_sm90_fwd_kv_cluster_grid_is_as_many_pairs_as_the_gpu_runs_at_once():
 
 def test_sm90_fwd_kv_clusters_only_where_both_ctas_see_the_same_keys():
     """`cluster_kv` needs an even number of query blocks and no mask or varlen; other calls keep
-    single CTAs (and still pass the oracle)."""
+    single CTAs (and still pass the oracle): 5 blocks of 192 rows, and a causal call of 12."""
     backend = _backend()
     torch.manual_seed(3)
-    for seqlen_q, causal in ((1100, False), (2048, True)):
+    for seqlen_q, causal in ((900, False), (2304, True)):
         q, k, v = _qkv(2, seqlen_q, 1024, 8, 8, 128, 128, torch.bfloat16)
         args = _args(128, causal)
         assert not backend.config(q, k, v, None, args).cluster_kv

@@ -53,7 +53,7 @@ barriers. The call's last add sets the counter back to 0 (`reset_counter_after_l
 one counter per stream serves every call (`CuteSm90Backend.tile_counter`).
 
 K/V clusters (`cluster_kv`: calls without a window, varlen or seqused_k, with an even number of
-query blocks, on tiles of 96 keys or more): the grid is launched in clusters of two CTAs on
+query blocks, on tiles of 80 keys or more): the grid is launched in clusters of two CTAs on
 neighbouring query blocks of one (batch, head) -- persistent CTAs walk pairs of query blocks,
 the cluster's rank picking the block -- and each CTA's producer loads its half of every K and V
 tile by TMA multicast into the slots of both. A slot's full barrier expects the whole tile (half

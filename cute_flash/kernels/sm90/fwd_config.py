@@ -26,7 +26,7 @@ counter and the grid are level (hd128 8k 614 vs 620) and the fixed stride trails
 | --- | --------------- | ------------ | ------ | -------------------------- | --------- |
 | 64  | 192 x 128       | 3            | 2      | 160 / 32                   | yes       |
 | 96  | 192 x 112       | 3            | 2      | 160 / 32                   | yes       |
-| 128 | 128 x 128       | 2            | 2      | 240 / 24                   | yes       |
+| 128 | 192 x 80        | 3            | 2      | 160 / 32                   | yes       |
 | 192 | 128 x 96        | 2            | 2      | 240 / 24                   | yes       |
 | 256 | 128 x 64        | 2            | 2      | 240 / 24                   | no        |
 
@@ -46,6 +46,22 @@ as flash-attn-4 takes 192 rows there: on an H200 (bf16, 21 heads, three interlea
 TFLOP/s) 2 x 8192 602-608 against 556-557 on the former 128 x 128 tile with K/V clusters
 (flash-attn-4 591-629), 8 x 2048 540-569 against 515-521, causal 2 x 8192 510-537 against
 508-525; 192 x 96 measured 592-595 / 509-536 / 532-533, three K/V stages 601-609.
+
+Head dim 128 takes three consumer warpgroups on 192 x 80 too (192 x 96 spilled 48 B at 160
+registers, 192 x 112 192 B, 192 x 128 336 B; 80 and 64 compile without). On an H200 (bf16, 16
+heads, `benchmarks/ab_sm90_fwd.py --head-dims 128 --rounds 5 --variants 128x128,...`, medians,
+TFLOP/s, the former 128 x 128 tile of two warpgroups / 192 x 80 / flash-attn-4, each with the
+K/V clusters where the call takes them): 2 x 6144 666.8 / 714.3 / 661.5, 4 x 4096 653.6 / 674.4
+/ 645.4, 1 x 12288 679.8 / 724.8 / 671.4, 1 x 16384 685.5 / 721.2 / 681.8, and where the odd
+number of 192-row blocks leaves the call without clusters 8 x 2048 629.8 / 629.9 / 610.1, 2 x
+8192 676.1 / 676.7 / 672.8; causal (the tile counter; 1 x 16384 on the causal clusters) 2 x 6144
+611.5 / 651.5 / 572.0, 2 x 8192 630.4 / 658.6 / 614.2, 1 x 16384 673.2 / 689.9 / 624.8, but 8 x
+2048 534.3 / 522.2 / 512.2. 192 x 64 measured 696.7 at 2 x 6144 with clusters, causal 644.9 /
+526.5 / 656.2 / 682.7 at 2 x 6144, 8 x 2048, 2 x 8192, 1 x 16384. Causal calls of short
+sequences keep 128 x 128 (`SHORT_CAUSAL_TILES`). (These numbers with the P·V wait after 16
+exponentials, `pv_wait_at`, which 192 x 80 no longer takes.) Three K/V stages (223 KB) measured
+level in one run of five rounds (`--variants s3,cluster s3`): 2 x 8192 674.3 against 675.7, 2 x
+6144 with the clusters 707.5 against 710.3, causal 2 x 8192 653.2 against 635.4 (spread 600-666).
 
 `lazy_rescale` (on in every configuration `make_config` builds; the eager variants are shipped
 for A/B only): a row keeps its old maximum as the exp
@@ -73,7 +89,12 @@ the shipped kernel before first): hd 64 2 x 8192 524.0 / 534.1, causal 492.0 / 5
 666.2 / 639.1, causal clusters 620.0 / 615.8; 1 x 16384 clusters 674.1 / 655.6) and at 192 and
 256 within the rounds' spread (-1.3 % to +1.8 %), so it is off there.
 
-`pv_wait_at` (head dim 128, 16): with the vote's branches, ptxas kept the wait for the P·V GEMM
+`pv_wait_at` (16 on head dim 128's 128 x 128 tile, now that of short causal sequences; on
+192 x 80, where a thread has 40 exponentials per block, the wait after the softmax measured
+level or ahead: `--variants "pvwait end,pvwait24,pvwait32" --rounds 7`, 16 / end / 24 / 32,
+2 x 8192 674.4 / 687.1 / 678.0 / 697.8, causal 650.3 / 658.7 / 650.9 / 645.3, 2 x 6144 with the
+K/V clusters 698.4 / 700.1 / 707.3 / 700.3, causal 1 x 16384 on the causal clusters 672.4 /
+677.2 / 671.0; in a run of five rounds 2 x 8192 675.7 / 699.6, causal 635.4 / 664.9): with the vote's branches, ptxas kept the wait for the P·V GEMM
 in flight below their merge, after all of a block's exponentials, where the lazy rescale's
 single path had it after 17 of them; with all exponentials after the branches it went before
 them. So at 128 the branches hold a thread's first 16 of its 64 exponentials, the wait follows
@@ -88,8 +109,8 @@ rounds) 16 exponentials before the wait led 0, 8, 12, 20 and 24 at 128 in most c
 96 (0 to 16 before the wait) and at 192 and 256 (as `keepvote pvwaitK`) no placement led the
 shipped kernels beyond the rounds' spread.
 
-`masked_halves` (causal calls on 128-key blocks in the persistent loop: head dims 64 and 128,
-but not on one CTA per tile -- head dim 64 with softcap, the causal K/V clusters -- where ptxas
+`masked_halves` (causal calls on 128-key blocks in the persistent loop: head dim 64, and 128 on
+its former 128 x 128 tile, on which the numbers below were measured; but not on one CTA per tile -- head dim 64 with softcap, the causal K/V clusters -- where ptxas
 serialized the WGMMAs with it; a window's right edge can take it too, `local=True`, untimed): each
 consumer warpgroup owns 64 query rows, so on the diagonal it may see only the first half of a key
 block, or none of it, while the CTA's other rows see all of it. Such a warpgroup runs that block's
@@ -139,10 +160,21 @@ class Tile(NamedTuple):
 TILES = {
     64: Tile(192, 128, 3, 2, True, persistent=True, keep_vote=True),
     96: Tile(192, 112, 3, 2, True, persistent=True, keep_vote=True),
-    128: Tile(128, 128, 2, 2, True, persistent=True, keep_vote=True, pv_wait_at=16),
+    128: Tile(192, 80, 3, 2, True, persistent=True, keep_vote=True),
     192: Tile(128, 96, 2, 2, True),
     256: Tile(128, 64, 2, 2, False),
 }
+
+# Causal calls whose sequences have at most SHORT_SEQUENCE_ROWS query rows (`make_config`'s
+# `short_sequences`, from the call's max_seqlen_q) take these tiles instead at their head dims:
+# there the diagonal's share of the key blocks is large, and 128 x 128 with the half blocks led
+# 192 x 80 on an H200 (bf16, 16 heads, causal, `benchmarks/ab_sm90_fwd.py --head-dims 128
+# --causal-only --variants 128x128 --rounds 5`, medians, TFLOP/s, 128 x 128 / 192 x 80 /
+# flash-attn-4): 16 x 1024 429.8 / 364.0 / 393.3, 8 x 2048 520.0 / 500.7 / 495.9 (an earlier
+# run 534.3 / 522.2 / 512.2), 4 x 4096 586.5 / 577.4 / 555.1; at 2 x 6144 192 x 80 leads
+# (651.5 against 611.5).
+SHORT_SEQUENCE_ROWS = 4096
+SHORT_CAUSAL_TILES = {128: Tile(128, 128, 2, 2, True, persistent=True, keep_vote=True, pv_wait_at=16)}
 
 # setmaxnreg budgets (consumer, producer) per number of consumer warpgroups: the totals
 # (128 * producer + 128 * wgs * consumer) stay within the 64K registers of an SM.
@@ -205,7 +237,7 @@ class Sm90FwdConfig:
     # Clusters of two CTAs on neighbouring query blocks of one (batch, head) share its K and V:
     # each CTA loads half of every K/V tile by TMA multicast into both, which halves the K/V
     # reads from L2 (`with_cluster_kv`: calls without a window, varlen or seqused_k, with an even
-    # number of query blocks, on tiles of 96 keys or more; causal ones on one CTA per tile).
+    # number of query blocks, on tiles of 80 keys or more; causal ones on one CTA per tile).
     cluster_kv: bool = False
     # Causal, window and key-tail masks of a row through a bit mask of its elements, which ptxas
     # turns into predicates seven at a time (R2P; `AttentionMask.apply`), instead of one integer
@@ -232,8 +264,8 @@ class Sm90FwdConfig:
     # from its lanes' own maxima, and then skips the rows' max shuffles and the rescale's
     # selects (`OnlineSoftmax.keep_vote`; bitwise the same output)
     keep_vote: bool = False
-    # With `keep_vote` and the intra-warpgroup overlap (make_config: per tile, `Tile`; 16 at head
-    # dim 128, -1 elsewhere): the wait for the P·V GEMM in flight issued after the thread's first
+    # With `keep_vote` and the intra-warpgroup overlap (make_config: per tile, `Tile`; 16 on head
+    # dim 128's tile of short causal sequences, -1 elsewhere): the wait for the P·V GEMM in flight issued after the thread's first
     # `pv_wait_at` of its tile_n / 2 exponentials of each key block, which the vote's branches
     # then hold (the rest follow the wait, one code for both paths), instead of after the softmax
     # (-1, the branches holding all of them). ptxas moves the wait up to the branches' merge, not
@@ -353,14 +385,19 @@ class Sm90FwdConfig:
 TIMELINE_PHASES = 7
 
 
-def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdConfig:
+def make_config(dtype: str, head_dim: int, head_dim_v: int, short_sequences: bool = False,
+                **flags) -> Sm90FwdConfig:
     """The shipped configuration for actual head dims (multiples of 8 up to 256) and flags.
 
+    `short_sequences`: every sequence of the call has at most SHORT_SEQUENCE_ROWS query rows;
+    causal calls (not windowed ones) then take SHORT_CAUSAL_TILES where it has their head dim.
     Head dims below a tile's are not a separate configuration: TMA zero-fills the columns past
     the actual head dim on load and clips them on store.
     """
     hd, hdv = pad_headdim(head_dim, TILE_HEADDIMS), pad_headdim(head_dim_v, TILE_HEADDIMS)
     tile = TILES[max(hd, hdv)]
+    if short_sequences and flags.get("causal", False) and not flags.get("local", False):
+        tile = SHORT_CAUSAL_TILES.get(max(hd, hdv), tile)
     flags.setdefault("pingpong", tile.pingpong and flags.get("intra_wg_overlap", True))
     # only a wide O has enough FMULs to be worth hiding (flash-attn-4 draws the same line)
     flags.setdefault("rescale_o_before_pv", hdv > 128 and flags.get("intra_wg_overlap", True))
@@ -382,7 +419,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
     flags.setdefault("pv_wait_at", tile.pv_wait_at if flags["keep_vote"] and flags.get("intra_wg_overlap", True) else -1)
     flags.setdefault("tile_counter", flags["persistent"] and causal)
     flags.setdefault("late_take", flags["tile_counter"])
-    # half blocks on 128-key tiles, in the persistent loop: on one CTA per tile (head dim 64 with
+    # half blocks on 128-key tiles (head dim 64), in the persistent loop: on one CTA per tile (head dim 64 with
     # softcap, the causal K/V clusters, the grid variant) ptxas serialized the WGMMAs with them.
     # Causal calls only: a window's right edge takes them too (and passes the GPU tests with
     # them), but windowed calls were not timed with them.
@@ -408,14 +445,17 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90FwdC
 # for the shipped counter (flash-attn-4 616.9), 1 x 16384 672.0 against 638.3 (647.2); hd192
 # 2 x 8192 706.0 against 693.0 (673.5), 1 x 16384 743.0 against 715.9 (690.8); but at 8 x 2048
 # (16 query blocks) the counter's balance is worth more than the halved K/V reads: hd128 496.0
-# against 525.5, hd192 522.8 against 529.7.
+# against 525.5, hd192 522.8 against 529.7. (hd128 there on its former 128 x 128 tile; on 192 x 80,
+# `--variants "192x80 cluster grid"`, 5 rounds: 1 x 16384, 86 blocks, 689.9 against 672.6; 2 x 6144,
+# 32 blocks, 637.5 against 651.5.)
 CAUSAL_CLUSTER_MIN_BLOCKS = 64
 CAUSAL_CLUSTER_HEADDIMS = (128, 192)
 
 
 def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     """`config` with `cluster_kv` where a call with `num_m_blocks` query blocks per sequence can
-    take it: no window, no varlen or seqused_k, an even number of query blocks, so that both CTAs
+    take it: no window, no varlen or seqused_k, tiles of 80 keys or more, an even number of query
+    blocks, so that both CTAs
     of a cluster walk the key blocks of the same (batch, head), and with a causal mask at least
     `CAUSAL_CLUSTER_MIN_BLOCKS` of them at `CAUSAL_CLUSTER_HEADDIMS` (one CTA per tile, above);
     and not on head dim 256's 128 x 64 tile, where it measured level (H200, bf16, 2 x 8192 x 8
@@ -424,8 +464,9 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     bf16, 2048 / head dim heads, medians, no mask): head dim 128 2 x 8192 666.4 against 646.9
     TFLOP/s (SM clock 1674 against 1633 MHz at the 700 W cap), 8 x 2048 615.2 against 606.7; 96
     (on its former 128 x 128 tile) 558.2 against 541.6; 192 716.9 against 709.1; 64 at 1 x 16384
-    534.1 against 530.1."""
-    if num_m_blocks % 2 or config.tile_n < 96:
+    534.1 against 530.1 (head dim 128 on its former 128 x 128 tile; on 192 x 80, the module
+    docstring)."""
+    if num_m_blocks % 2 or config.tile_n < 80:
         return config
     if config.pairs_query_blocks or (config.pairs_causal_query_blocks and num_m_blocks >= CAUSAL_CLUSTER_MIN_BLOCKS
                                      and max(config.head_dim, config.head_dim_v) in CAUSAL_CLUSTER_HEADDIMS):
@@ -455,6 +496,18 @@ def _clustered(config: Sm90FwdConfig) -> Sm90FwdConfig:
     if config.causal:
         return replace(on_grid(config), cluster_kv=True)
     return replace(config, cluster_kv=True)
+
+
+def short_sequence_variant(config: Sm90FwdConfig) -> Sm90FwdConfig:
+    """`config` on the tile `make_config` gives with `short_sequences` (the same flags, the half
+    blocks and the P·V wait where that tile takes them), or `config` where that changes nothing."""
+    tile = SHORT_CAUSAL_TILES.get(max(config.head_dim, config.head_dim_v))
+    if tile is None or not config.causal or config.local:
+        return config
+    halves = config.persistent and tile.tile_n == 128 and config.intra_wg_overlap and not config.rescale_o_before_pv
+    wait_at = tile.pv_wait_at if config.keep_vote and config.intra_wg_overlap else -1
+    return replace(config, tile_m=tile.tile_m, tile_n=tile.tile_n, num_consumer_wgs=tile.num_consumer_wgs,
+                   num_stages=tile.num_stages, masked_halves=halves, pv_wait_at=wait_at)
 
 
 def shipped_configs() -> list:
@@ -495,7 +548,7 @@ def shipped_configs() -> list:
     # every masked block's GEMMs over all of its keys (`masked_halves` off), for A/B, and the half
     # blocks on a window's right edge (not taken by default: untimed)
     configs += [make_config("bfloat16", d, d, causal=True, masked_halves=False) for d in (64, 128)]
-    configs += [make_config("bfloat16", d, d, local=True, masked_halves=True) for d in (64, 128)]
+    configs += [make_config("bfloat16", 64, 64, local=True, masked_halves=True)]
     # the K/V-sharing clusters of unmasked calls with an even number of query blocks
     configs += [replace(make_config(dtype, d, d), cluster_kv=True) for d in (64, 96, 128, 192) for dtype in DTYPES]
     configs += [with_cluster_kv(make_config(dtype, d, d, causal=True), CAUSAL_CLUSTER_MIN_BLOCKS)
@@ -503,7 +556,10 @@ def shipped_configs() -> list:
     configs += [replace(make_config("bfloat16", 128, 128, softcap=True), cluster_kv=True),
                 replace(make_config("bfloat16", 128, 128, has_lse=False), cluster_kv=True),
                 replace(make_config("bfloat16", 192, 128), cluster_kv=True)]
-    return configs
+    # and the causal ones on the tiles of short sequences (`short_sequences`)
+    from cute_flash.audit import distinct
+
+    return distinct(configs + [short_sequence_variant(c) for c in configs if not c.cluster_kv])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -555,6 +611,7 @@ def sweep_configs() -> list:
         )
     )
     configs = list(itertools.chain(equal, unequal))
+    configs += [short_sequence_variant(c) for c in configs]
     # and those calls with enough query blocks, in pairs, for the K/V clusters (`with_cluster_kv`)
     return distinct(configs + [with_cluster_kv(c, CAUSAL_CLUSTER_MIN_BLOCKS) for c in configs])
 
