@@ -95,6 +95,7 @@ PV_WAITS = (0, 8, 12, 16, 20, 24, 32)
 def variants(head_dim: int, causal: bool, only=None) -> list:
     """(label, config) of the cute variants of one case, the shipped one first; `only`: the labels
     to keep besides the shipped one (all where None)."""
+    from bench_lib import fits
     from cute_flash.kernels.sm90.fwd_config import NO_KEEP_VOTE, TILES, make_config, on_grid
 
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
@@ -130,7 +131,7 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if head_dim == 256:
         out += [("n80", replace(shipped, tile_n=80)), ("late", replace(shipped, rescale_o_before_pv=False))]
     if head_dim == 192:  # wider key blocks (fewer on the causal diagonal)
-        out += [(f"n{n}", replace(shipped, tile_n=n)) for n in (112, 128) if _fits(shipped, tile_n=n)]
+        out += [(f"n{n}", replace(shipped, tile_n=n)) for n in (112, 128) if fits(shipped, tile_n=n)]
     # the K/V clusters (on one CTA per tile when causal, as calls with 64 query blocks or more
     # take them), also with the other `keep_vote`
     kv_label = "no keepvote" if shipped.keep_vote else "keepvote"
@@ -160,11 +161,11 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
         for n in (shipped.tile_n,) + ((128, 144) if head_dim == 96 else (192,)):
             if n != shipped.tile_n and n == 128 and causal and shipped.persistent:
                 out += [("n128 psmem halves", replace(shipped, tile_n=128, p_in_smem=True, masked_halves=True))]
-            elif _fits(shipped, tile_n=n, p_in_smem=True, masked_halves=shipped.masked_halves and n == 128):
+            elif fits(shipped, tile_n=n, p_in_smem=True, masked_halves=shipped.masked_halves and n == 128):
                 label = "psmem" if n == shipped.tile_n else f"n{n} psmem"
                 out += [(label, replace(shipped, tile_n=n, p_in_smem=True,
                                         masked_halves=shipped.masked_halves and n == 128))]
-            elif _fits(on_grid(shipped), tile_n=n, p_in_smem=True):
+            elif fits(on_grid(shipped), tile_n=n, p_in_smem=True):
                 out += [(f"n{n} psmem grid", replace(on_grid(shipped), tile_n=n, p_in_smem=True))]
     return out if only is None else out[:1] + [(label, c) for label, c in out[1:] if label in only]
 
@@ -183,21 +184,15 @@ def pv_waits(label: str, config, shipped) -> list:
     vote with the P·V wait after its branches, which hold a thread's first K exponentials, for
     the K of `PV_WAITS` that fit, bar the one `shipped` takes; where it takes one, also the
     wait after the softmax (`pvwait end`)."""
+    from bench_lib import fits
+
     voting = config if config.keep_vote else replace(config, lazy_rescale=True, keep_vote=True)
     label += "" if shipped.keep_vote else "keepvote "
     out = [(f"{label}pvwait{k}", replace(voting, pv_wait_at=k)) for k in PV_WAITS
-           if k != shipped.pv_wait_at and _fits(voting, pv_wait_at=k)]
+           if k != shipped.pv_wait_at and fits(voting, pv_wait_at=k)]
     if shipped.pv_wait_at >= 0:  # the wait after the softmax, all exponentials in the branches
         out += [(f"{label}pvwait end", replace(voting, pv_wait_at=-1))]
     return out
-
-
-def _fits(config, **change) -> bool:
-    try:
-        replace(config, **change)
-    except ValueError:
-        return False
-    return True
 
 
 def compile_only(cases, only=None) -> None:

@@ -53,6 +53,17 @@ def add_ab_case_arguments(parser, head_dims: Sequence[int], seqlen: int, compile
     parser.add_argument("--seqlen", type=int, default=seqlen)
 
 
+def fits(config, **change) -> bool:
+    """Whether `config` with `change` is a valid configuration (its checks raise ValueError)."""
+    from dataclasses import replace
+
+    try:
+        replace(config, **change)
+    except ValueError:
+        return False
+    return True
+
+
 def warm_in_processes(configs, compile_one, jobs: int) -> None:
     """`compile_one(config)` (a module-level function, which returns where the kernel came from)
     for every configuration in `jobs` processes at once, so that a timing loop that compiles one

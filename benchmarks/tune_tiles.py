@@ -84,6 +84,8 @@ def config_module(arch: str):
 
 def candidates(args) -> list:
     """(label, config or None, why not) for the shipped tile and every candidate."""
+    from bench_lib import fits
+
     fc = config_module(args.arch)
     shipped = fc.make_config(args.dtype, args.head_dim, args.head_dim, causal=args.causal)
     out = [("shipped", shipped, None)]
@@ -92,20 +94,12 @@ def candidates(args) -> list:
             fields = parse_candidate(spec, args.arch)
             if getattr(shipped, "causal", False) and hasattr(shipped, "masked_halves"):
                 # sm_90: the half blocks where a causal candidate can take them (128 keys per block)
-                halves = fields.get("tile_n", shipped.tile_n) == 128 and _fits(shipped, **{**fields, "masked_halves": True})
+                halves = fields.get("tile_n", shipped.tile_n) == 128 and fits(shipped, **{**fields, "masked_halves": True})
                 fields.setdefault("masked_halves", halves)
             out.append((spec, replace(shipped, **fields), None))
         except (ValueError, TypeError) as exc:
             out.append((spec, None, str(exc)))
     return out
-
-
-def _fits(config, **change) -> bool:
-    try:
-        replace(config, **change)
-    except ValueError:
-        return False
-    return True
 
 
 def compile_only(args, configs) -> None:
