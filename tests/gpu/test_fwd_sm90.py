@@ -295,7 +295,8 @@ def test_sm90_fwd_p_in_smem_matches_oracle(d, tile_n, grid, causal, seqlen_q, se
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1023, 1024), (1001, 333), (4224, 4224)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_sm90_fwd_rescale_schedules_match_oracle(causal_tile, monkeypatch, d, causal, seqlen_q, seqlen_k, growing_max, lazy):
+def test_sm90_fwd_rescale_schedules_match_oracle(
+        causal_tile, monkeypatch, d, causal, seqlen_q, seqlen_k, growing_max, lazy):
     """Lazy (the row max kept while it grows by <= 8, log2; shipped) or eager (every block moves
     it): out and LSE are the softmax's either way.
 
@@ -313,7 +314,8 @@ def test_sm90_fwd_rescale_schedules_match_oracle(causal_tile, monkeypatch, d, ca
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1001, 333), (2304, 2048)])
 @pytest.mark.parametrize("causal,softcap", [(False, 0.0), (True, 0.0), (True, 30.0)])
 @pytest.mark.parametrize("d", HEADDIMS)
-def test_sm90_fwd_keep_vote_is_the_lazy_rescale_bit_for_bit(causal_tile, d, causal, softcap, seqlen_q, seqlen_k, growing_max):
+def test_sm90_fwd_keep_vote_is_the_lazy_rescale_bit_for_bit(
+        causal_tile, d, causal, softcap, seqlen_q, seqlen_k, growing_max):
     """`keep_vote` (a warp whose rows all keep their references skips the shuffles and selects)
     gives the lazy rescale's out and LSE bit for bit, on the configuration each call picks (with
     or without the vote as shipped); both match the oracle. With the P·V wait after the vote's
@@ -407,7 +409,8 @@ def test_sm90_fwd_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, seqlen
 @pytest.mark.parametrize("d,dv,softcap", [(128, 128, 0.0), (192, 192, 0.0), (128, 128, 15.0), (192, 192, 15.0),
                                           (192, 128, 0.0), (64, 128, 0.0)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sm90_fwd_causal_kv_clusters_match_single_ctas_bit_for_bit(causal_tile, dtype, d, dv, softcap, seqlen_q, seqlen_k):
+def test_sm90_fwd_causal_kv_clusters_match_single_ctas_bit_for_bit(
+        causal_tile, dtype, d, dv, softcap, seqlen_q, seqlen_k):
     """Causal K/V clusters (one CTA per tile): both CTAs walk the key blocks of the later query
     block, the earlier one letting those past its own go unread; the oracle passes and O and the
     LSE are bitwise those of single CTAs, soft-capped and with unequal head dims too. 1001 x 333

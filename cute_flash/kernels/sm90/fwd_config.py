@@ -89,28 +89,29 @@ the shipped kernel before first): hd 64 2 x 8192 524.0 / 534.1, causal 492.0 / 5
 666.2 / 639.1, causal clusters 620.0 / 615.8; 1 x 16384 clusters 674.1 / 655.6) and at 192 and
 256 within the rounds' spread (-1.3 % to +1.8 %), so it is off there.
 
-`pv_wait_at` (16 on head dim 128's 128 x 128 tile, now that of short causal sequences; on
-192 x 80, where a thread has 40 exponentials per block, the wait after the softmax measured
-level or ahead: `--variants "pvwait end,pvwait24,pvwait32" --rounds 7`, 16 / end / 24 / 32,
-2 x 8192 674.4 / 687.1 / 678.0 / 697.8, causal 650.3 / 658.7 / 650.9 / 645.3, 2 x 6144 with the
-K/V clusters 698.4 / 700.1 / 707.3 / 700.3, causal 1 x 16384 on the causal clusters 672.4 /
-677.2 / 671.0; in a run of five rounds 2 x 8192 675.7 / 699.6, causal 635.4 / 664.9): with the vote's branches, ptxas kept the wait for the P·V GEMM
-in flight below their merge, after all of a block's exponentials, where the lazy rescale's
-single path had it after 17 of them; with all exponentials after the branches it went before
-them. So at 128 the branches hold a thread's first 16 of its 64 exponentials, the wait follows
-their merge and the other 48 follow the wait, one code for both paths (the row sums are then
-added in two blocks, which may round the LSE differently by an ulp or two; the output matched
-bitwise in the tests' cases). On an H200 (`benchmarks/ab_sm90_fwd.py --head-dims 128 --rounds 7
---variants "no keepvote,cluster,cluster no keepvote"`, bf16, 16 heads, medians, TFLOP/s, against
-the lazy rescale without the vote): 2 x 8192 654.5 / 642.4, with the K/V clusters 662.7 / 666.1;
-8 x 2048 592.7 / 592.3, clusters 615.7 / 613.1; 1 x 16384 660.4 / 652.6, clusters 678.2 / 665.3;
-causal 2 x 8192 619.7 / 614.9, causal clusters 626.1 / 617.3; in two earlier runs (three and five
-rounds) 16 exponentials before the wait led 0, 8, 12, 20 and 24 at 128 in most cases. At 64 and
-96 (0 to 16 before the wait) and at 192 and 256 (as `keepvote pvwaitK`) no placement led the
-shipped kernels beyond the rounds' spread.
+`pv_wait_at` (16 on head dim 128's 128 x 128 tile, now that of short causal sequences; on 192 x
+80, where a thread has 40 exponentials per block, the wait after the softmax measured level or
+ahead: `--variants "pvwait end,pvwait24,pvwait32" --rounds 7`, 16 / end / 24 / 32, 2 x 8192 674.4
+/ 687.1 / 678.0 / 697.8, causal 650.3 / 658.7 / 650.9 / 645.3, 2 x 6144 with the K/V clusters
+698.4 / 700.1 / 707.3 / 700.3, causal 1 x 16384 on the causal clusters 672.4 / 677.2 / 671.0; in a
+run of five rounds 2 x 8192 675.7 / 699.6, causal 635.4 / 664.9): with the vote's branches, ptxas
+kept the wait for the P·V GEMM in flight below their merge, after all of a block's exponentials,
+where the lazy rescale's single path had it after 17 of them; with all exponentials after the
+branches it went before them. So at 128 the branches hold a thread's first 16 of its 64
+exponentials, the wait follows their merge and the other 48 follow the wait, one code for both
+paths (the row sums are then added in two blocks, which may round the LSE differently by an ulp or
+two; the output matched bitwise in the tests' cases). On an H200 (`benchmarks/ab_sm90_fwd.py
+--head-dims 128 --rounds 7 --variants "no keepvote,cluster,cluster no keepvote"`, bf16, 16 heads,
+medians, TFLOP/s, against the lazy rescale without the vote): 2 x 8192 654.5 / 642.4, with the K/V
+clusters 662.7 / 666.1; 8 x 2048 592.7 / 592.3, clusters 615.7 / 613.1; 1 x 16384 660.4 / 652.6,
+clusters 678.2 / 665.3; causal 2 x 8192 619.7 / 614.9, causal clusters 626.1 / 617.3; in two
+earlier runs (three and five rounds) 16 exponentials before the wait led 0, 8, 12, 20 and 24 at
+128 in most cases. At 64 and 96 (0 to 16 before the wait) and at 192 and 256 (as `keepvote
+pvwaitK`) no placement led the shipped kernels beyond the rounds' spread.
 
 `masked_halves` (causal calls on 128-key blocks in the persistent loop: head dim 64, and 128 on
-its former 128 x 128 tile, on which the numbers below were measured; but not on one CTA per tile -- head dim 64 with softcap, the causal K/V clusters -- where ptxas
+its 128 x 128 tile of short causal sequences, on which the numbers below were measured; but not
+on one CTA per tile -- head dim 64 with softcap, the causal K/V clusters -- where ptxas
 serialized the WGMMAs with it; a window's right edge can take it too, `local=True`, untimed): each
 consumer warpgroup owns 64 query rows, so on the diagonal it may see only the first half of a key
 block, or none of it, while the CTA's other rows see all of it. Such a warpgroup runs that block's
@@ -265,11 +266,11 @@ class Sm90FwdConfig:
     # selects (`OnlineSoftmax.keep_vote`; bitwise the same output)
     keep_vote: bool = False
     # With `keep_vote` and the intra-warpgroup overlap (make_config: per tile, `Tile`; 16 on head
-    # dim 128's tile of short causal sequences, -1 elsewhere): the wait for the P·V GEMM in flight issued after the thread's first
-    # `pv_wait_at` of its tile_n / 2 exponentials of each key block, which the vote's branches
-    # then hold (the rest follow the wait, one code for both paths), instead of after the softmax
-    # (-1, the branches holding all of them). ptxas moves the wait up to the branches' merge, not
-    # across (module docstring).
+    # dim 128's tile of short causal sequences, -1 elsewhere): the wait for the P·V GEMM in
+    # flight issued after the thread's first `pv_wait_at` of its tile_n / 2 exponentials of each
+    # key block, which the vote's branches then hold (the rest follow the wait, one code for both
+    # paths), instead of after the softmax (-1, the branches holding all of them). ptxas moves
+    # the wait up to the branches' merge, not across (module docstring).
     pv_wait_at: int = -1
 
     def __post_init__(self):
@@ -419,8 +420,9 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, short_sequences: boo
     flags.setdefault("pv_wait_at", tile.pv_wait_at if flags["keep_vote"] and flags.get("intra_wg_overlap", True) else -1)
     flags.setdefault("tile_counter", flags["persistent"] and causal)
     flags.setdefault("late_take", flags["tile_counter"])
-    # half blocks on 128-key tiles (head dim 64), in the persistent loop: on one CTA per tile (head dim 64 with
-    # softcap, the causal K/V clusters, the grid variant) ptxas serialized the WGMMAs with them.
+    # half blocks on 128-key tiles (head dim 64, 128's of short causal sequences), in the
+    # persistent loop: on one CTA per tile (head dim 64 with softcap, the causal K/V clusters,
+    # the grid variant) ptxas serialized the WGMMAs with them.
     # Causal calls only: a window's right edge takes them too (and passes the GPU tests with
     # them), but windowed calls were not timed with them.
     flags.setdefault("masked_halves", causal and tile.tile_n == 128 and flags.get("intra_wg_overlap", True)
@@ -455,17 +457,16 @@ CAUSAL_CLUSTER_HEADDIMS = (128, 192)
 def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     """`config` with `cluster_kv` where a call with `num_m_blocks` query blocks per sequence can
     take it: no window, no varlen or seqused_k, tiles of 80 keys or more, an even number of query
-    blocks, so that both CTAs
-    of a cluster walk the key blocks of the same (batch, head), and with a causal mask at least
-    `CAUSAL_CLUSTER_MIN_BLOCKS` of them at `CAUSAL_CLUSTER_HEADDIMS` (one CTA per tile, above);
-    and not on head dim 256's 128 x 64 tile, where it measured level (H200, bf16, 2 x 8192 x 8
-    heads, three rounds: 722-732 TFLOP/s against 730-731): one CTA per tile fills an SM, and a
-    cluster waits for two free SMs. Elsewhere on an H200 (`benchmarks/ab_clusters.py --rounds 5`,
-    bf16, 2048 / head dim heads, medians, no mask): head dim 128 2 x 8192 666.4 against 646.9
-    TFLOP/s (SM clock 1674 against 1633 MHz at the 700 W cap), 8 x 2048 615.2 against 606.7; 96
-    (on its former 128 x 128 tile) 558.2 against 541.6; 192 716.9 against 709.1; 64 at 1 x 16384
-    534.1 against 530.1 (head dim 128 on its former 128 x 128 tile; on 192 x 80, the module
-    docstring)."""
+    blocks, so that both CTAs of a cluster walk the key blocks of the same (batch, head), and with
+    a causal mask at least `CAUSAL_CLUSTER_MIN_BLOCKS` of them at `CAUSAL_CLUSTER_HEADDIMS` (one
+    CTA per tile, above); and not on head dim 256's 128 x 64 tile, where it measured level (H200,
+    bf16, 2 x 8192 x 8 heads, three rounds: 722-732 TFLOP/s against 730-731): one CTA per tile
+    fills an SM, and a cluster waits for two free SMs. Elsewhere on an H200
+    (`benchmarks/ab_clusters.py --rounds 5`, bf16, 2048 / head dim heads, medians, no mask): head
+    dim 128 2 x 8192 666.4 against 646.9 TFLOP/s (SM clock 1674 against 1633 MHz at the 700 W
+    cap), 8 x 2048 615.2 against 606.7; 96 (on its former 128 x 128 tile) 558.2 against 541.6; 192
+    716.9 against 709.1; 64 at 1 x 16384 534.1 against 530.1 (head dim 128 on its former 128 x 128
+    tile; on 192 x 80, the module docstring)."""
     if num_m_blocks % 2 or config.tile_n < 80:
         return config
     if config.pairs_query_blocks or (config.pairs_causal_query_blocks and num_m_blocks >= CAUSAL_CLUSTER_MIN_BLOCKS
@@ -547,7 +548,7 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", d, d, causal=True, mask_bits=False) for d in (64, 128)]
     # every masked block's GEMMs over all of its keys (`masked_halves` off), for A/B, and the half
     # blocks on a window's right edge (not taken by default: untimed)
-    configs += [make_config("bfloat16", d, d, causal=True, masked_halves=False) for d in (64, 128)]
+    configs += [make_config("bfloat16", 64, 64, causal=True, masked_halves=False)]
     configs += [make_config("bfloat16", 64, 64, local=True, masked_halves=True)]
     # the K/V-sharing clusters of unmasked calls with an even number of query blocks
     configs += [replace(make_config(dtype, d, d), cluster_kv=True) for d in (64, 96, 128, 192) for dtype in DTYPES]
