@@ -43,7 +43,8 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   other `keep_vote` (`cluster [no] keepvote`, `cluster grid [no] keepvote`);
 * at head dim 96: `128x128` (two consumer warpgroups on 128 x 128, its tile before the three
   warpgroups of 192 rows) and `n96` (96 keys per block);
-* at head dim 128: `128x128` (its tile before 192 x 80, with the half blocks when causal; also
+* at head dim 128: `128x128` (its tile before 192 x 80, with its P·V wait, and when causal what
+  calls of short sequences run, `short_sequence_variant`, half blocks included; also
   `128x128 cluster` without a mask and `128x128 cluster grid` with one), `192x64` (64 keys per
   block; `192x64 cluster` without a mask) and `s3` (three K/V stages; `cluster s3`);
 * at head dims 64 and 96: `psmem` (`p_in_smem`: P·V reads P from shared memory) on the shipped
@@ -96,7 +97,9 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     """(label, config) of the cute variants of one case, the shipped one first; `only`: the labels
     to keep besides the shipped one (all where None)."""
     from bench_lib import fits
-    from cute_flash.kernels.sm90.fwd_config import NO_KEEP_VOTE, TILES, make_config, on_grid
+    from cute_flash.kernels.sm90.fwd_config import (
+        NO_KEEP_VOTE, SHORT_CAUSAL_TILES, TILES, make_config, on_grid, short_sequence_variant,
+    )
 
     shipped = make_config("bfloat16", head_dim, head_dim, causal=causal)
     rescale = ("lazy", "eager") if shipped.lazy_rescale else ("eager", "lazy")
@@ -145,8 +148,11 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
         out += [("cluster", cluster), (f"cluster {kv_label}", toggle_vote(cluster))]
         out += pv_waits("cluster ", cluster, shipped)
     if head_dim == 128:  # its former tile (two warpgroups on 128 x 128), and 64 keys per block
-        former = replace(shipped, tile_m=128, num_consumer_wgs=2, tile_n=128,
-                         masked_halves=shipped.causal and shipped.persistent)
+        # causal: what calls of short sequences run; without a mask: that tile as it shipped
+        short = SHORT_CAUSAL_TILES[128]
+        former = short_sequence_variant(shipped) if causal else replace(
+            shipped, tile_m=short.tile_m, tile_n=short.tile_n, num_consumer_wgs=short.num_consumer_wgs,
+            pv_wait_at=short.pv_wait_at)
         out += [("128x128", former), ("192x64", replace(shipped, tile_n=64)), ("s3", replace(shipped, num_stages=3))]
         if not causal:
             out += [("128x128 cluster", replace(former, cluster_kv=True)),
