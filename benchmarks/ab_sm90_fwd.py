@@ -29,9 +29,11 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   with its row's limit, instead of the limit turned into a bit mask of the row's elements;
 * with a causal mask at head dim 64, `whole` (`masked_halves=False`): every masked key
   block's GEMMs over all of its keys, also for a warpgroup that sees half of them or none;
-* at head dims 192 and 256: the other GEMM-issue schedule, `no pingpong` at 192 (the consumer
-  warpgroups issuing their GEMMs freely, shipped before 2026-12-01) and `pingpong` at 256, and,
-  when causal, the same with the other mask as well (`pingpong, compares`);
+* at every head dim: the other GEMM-issue schedule, `no pingpong` where the ping-pong is shipped
+  (the consumer warpgroups issuing their GEMMs freely; shipped at 192 before 2026-12-01) and
+  `pingpong` at 256, and at 192 and 256, when causal, the same with the other mask as well
+  (`pingpong, compares`); `s3` (three K/V stages) where it fits the shared memory (head
+  dims 64 and 96; at 128 below);
 * at head dim 256 only: `n80` (tile_n 80 instead of 64) and `late` (`rescale_o_before_pv=False`:
   O rescaled after P·V is waited for);
 * at head dim 192: `n112` / `n128` (wider key blocks) where they fit the shared memory;
@@ -126,8 +128,11 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
         out += [("compares", replace(shipped, mask_bits=False))]
     if shipped.masked_halves:  # every masked block's GEMMs over all of its keys
         out += [("whole", replace(shipped, masked_halves=False))]
-    if head_dim in (192, 256):  # the other GEMM-issue schedule (ping-pong on or off)
-        out += [("no pingpong" if shipped.pingpong else "pingpong", replace(shipped, pingpong=not shipped.pingpong))]
+    # the other GEMM-issue schedule (ping-pong on or off)
+    out += [("no pingpong" if shipped.pingpong else "pingpong", replace(shipped, pingpong=not shipped.pingpong))]
+    if head_dim != 128 and fits(shipped, num_stages=3):  # a third K/V stage (128: below, with its clusters)
+        out += [("s3", replace(shipped, num_stages=3))]
+    if head_dim in (192, 256):
         if causal:  # ... with the other mask
             out += [("no pingpong, compares" if shipped.pingpong else "pingpong, compares",
                      replace(shipped, pingpong=not shipped.pingpong, mask_bits=not shipped.mask_bits))]
