@@ -41,7 +41,8 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   CTA per tile (each CTA walks the key blocks of the cluster's later query block, letting those
   past its own go unread);
 * at head dims 64 to 192 without a mask: `cluster`, the K/V clusters, which `cute_flash.forward`
-  takes where a call has an even number of query blocks; both cluster variants also with the
+  takes where a call has an even number of query blocks (at 64 to 128, in the persistent loop,
+  or of (batch, head) pairs); both cluster variants also with the
   other `keep_vote` (`cluster [no] keepvote`, `cluster grid [no] keepvote`);
 * at head dim 96: `128x128` (two consumer warpgroups on 128 x 128, its tile before the three
   warpgroups of 192 rows) and `n96` (96 keys per block);
@@ -64,7 +65,8 @@ As in `tune_tiles.py`, a variant is first checked against the float32 reference 
 benchmark's tolerance rule, LSE to 1e-3 where finite and -inf where the row sees no key) on small
 problems chosen to exercise the rescale: 2 x 701/1001 x 2 heads of random data (701 queries: an
 even number of 128- and of 192-row query blocks, as the K/V clusters pair them, with a tail;
-1001 for the causal case below too); the same with
+1001 for the causal case below too); 461 queries (three 192-row blocks, whose last ones unmasked
+K/V clusters take two heads to a cluster); the same as the first with
 a ramp that makes every row's max grow by ~5 (log2 units) per key block, so that some blocks keep
 the reference and others move it; and, when causal, 1001 queries over 333 keys, whose first 668
 rows see no key (out 0, LSE -inf). A wrong variant is reported and not timed. Then
@@ -238,6 +240,8 @@ def check_problems(d: int, causal: bool, dtype):
     out = []
     q, k, v = randn(2, 701, 2, d), randn(2, 1001, 2, d), randn(2, 1001, 2, d)
     out.append(("random 701/1001", q, k, v))
+    # an odd number of 192-row query blocks (3), which unmasked K/V clusters cover two heads to a cluster
+    out.append(("random 461/1001", randn(2, 461, 2, d), k, v))
     # Scores (in log2 units: q0 * k0 * scale * log2(e), q0 = 8) grow by 5 per 128-key block towards
     # key 0, as the kernels visit key blocks from the last one down.
     ramp = torch.linspace(5.0 * 1001 / 128, 0.0, 1001, device="cuda") / (8 * d ** -0.5 * math.log2(math.e))

@@ -9,7 +9,7 @@ import torch
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.cute import PERSISTENT_L2_BYTES, CuteSm90Backend, heads_per_section, persistent_schedule
 from cute_flash.kernels.sm90 import fwd_config as fc
-from cute_flash.kernels.sm90.fwd import tile_coords
+from cute_flash.kernels.sm90.fwd import cluster_tile_coords, tile_coords
 
 
 @pytest.mark.parametrize("m_blocks,heads,batch,per_section", [(1, 1, 1, 1), (5, 3, 2, 1), (5, 3, 2, 4), (7, 4, 3, 5),
@@ -34,6 +34,30 @@ def test_tile_coords_with_one_head_per_section_is_the_grid_order():
     assert coords == [(m, h, b) for b in range(2) for h in range(3) for m in range(4)]
     causal = [tile_coords(t, 4, 3, 2, 1, True) for t in range(24)]
     assert causal == [(3 - m, h, b) for b in range(2) for h in range(3) for m in range(4)]
+
+
+@pytest.mark.parametrize("m_blocks,pairs", [(1, 2), (1, 6), (2, 1), (3, 4), (5, 2), (6, 3), (11, 8), (43, 32)])
+def test_cluster_tile_coords_cover_every_query_block_once(m_blocks, pairs):
+    """Each tile of a persistent K/V-cluster grid gives its two CTAs neighbouring query blocks of
+    one (batch, head) pair (lone 0), or, with an odd number of query blocks, the last query block
+    of two neighbouring pairs (lone 1, one per two pairs); together they cover every block once."""
+    seen = []
+    lone_tiles = 0
+    for tile in range(m_blocks * pairs // 2):
+        (m0, p0, lone0), (m1, p1, lone1) = (cluster_tile_coords(tile, m_blocks, rank) for rank in (0, 1))
+        assert lone0 == lone1 in (0, 1)
+        if lone0:
+            assert m0 == m1 == m_blocks - 1 and p1 == p0 + 1 and p0 % 2 == 0
+            lone_tiles += 1
+        else:
+            assert p0 == p1 and m1 == m0 + 1 and m0 % 2 == 0
+        seen += [(m0, p0), (m1, p1)]
+    assert sorted(seen) == sorted(product(range(m_blocks), range(pairs)))
+    assert lone_tiles == (pairs // 2 if m_blocks % 2 else 0)
+    if m_blocks % 2 == 0:  # the order of tile_coords' pairs of query blocks, one head per section
+        for tile in range(m_blocks * pairs // 2):
+            m_pair, head, batch = tile_coords(tile, m_blocks // 2, pairs, 1, 1, False)
+            assert cluster_tile_coords(tile, m_blocks, 0)[:2] == (2 * m_pair, head)
 
 
 def _q(batch, seqlen, heads, d=128):
@@ -205,7 +229,12 @@ def test_kv_clusters_pair_query_blocks_that_see_the_same_keys():
     even, odd = _q(2, 1024, 16), _q(2, 900, 16)  # 6 and 5 query blocks of 192
     config = backend.config(even, even, even, None, args)
     assert config.cluster_kv and config.name.endswith("_persistent_cluster")
-    assert not backend.config(odd, odd, odd, None, args).cluster_kv
+    # an odd number of query blocks: the last ones go two heads to a cluster, for an even number
+    # of (batch, head) pairs (32 here, 3 and 15 below)
+    assert backend.config(odd, odd, odd, None, args) == config
+    assert not backend.config(*[_q(1, 900, 3)] * 3, None, args).cluster_kv
+    assert not backend.config(*[_q(3, 900, 5)] * 3, None, args).cluster_kv
+    assert backend.config(*[_q(3, 1024, 5)] * 3, None, args).cluster_kv
     causal = AttnArgs(0.1, causal=True, window_right=0)
     assert not backend.config(even, even, even, None, causal).cluster_kv
     local = AttnArgs(0.1, window_left=64, window_right=0)
@@ -223,7 +252,10 @@ def test_kv_clusters_pair_query_blocks_that_see_the_same_keys():
     # hd64's 192-row tiles: 1152 rows are 6 query blocks, 1200 are 7
     hd64 = [_q(2, s, 32, 64) for s in (1152, 1200)]
     assert backend.config(*[hd64[0]] * 3, None, args).cluster_kv
-    assert not backend.config(*[hd64[1]] * 3, None, args).cluster_kv
+    assert backend.config(*[hd64[1]] * 3, None, args).cluster_kv
+    assert not backend.config(*[_q(1, 1200, 7, 64)] * 3, None, args).cluster_kv
+    # head dim 192's one CTA per tile pairs an even number of query blocks only
+    assert not backend.config(*[_q(2, 800, 8, 192)] * 3, None, args).cluster_kv  # 7 blocks of 128
     # head dim 192's one CTA per tile takes clusters too, 256's 128 x 64 tile does not
     assert backend.config(*[_q(2, 1024, 8, 192)] * 3, None, args).cluster_kv
     assert not backend.config(*[_q(2, 1024, 8, 256)] * 3, None, args).cluster_kv
@@ -249,15 +281,20 @@ def test_kv_cluster_grid_is_pairs_of_ctas():
 
 
 def test_kv_cluster_launch_refuses_an_odd_number_of_query_blocks():
-    """A cluster's two CTAs take neighbouring query blocks: a configuration with `cluster_kv` is
-    refused for a call whose last block would have no partner (`with_cluster_kv` never picks it,
-    but the A/B scripts build such configurations by hand)."""
+    """A cluster's two CTAs take neighbouring query blocks, or the last ones of two heads: a
+    configuration with `cluster_kv` is refused for a call whose last block would have no partner
+    (`with_cluster_kv` never picks it, but the A/B scripts build such configurations by hand)."""
     backend = CuteSm90Backend()
     config = fc.with_cluster_kv(fc.make_config("bfloat16", 64, 64), 6)
     assert config.cluster_kv and config.tile_m == 192
-    odd = _q(2, 461, 4, 64)  # 3 query blocks of 192
-    with pytest.raises(ValueError, match="cluster_kv.*461.*odd number of 192-row blocks"):
+    assert fc.takes_lone_tiles(config, 8) and not fc.takes_lone_tiles(config, 3)
+    odd = _q(1, 461, 3, 64)  # 3 query blocks of 192, 3 (batch, head) pairs
+    with pytest.raises(ValueError, match=r"cluster_kv.*461.*odd number of 192-row blocks.*\(here 3\)"):
         backend.launch_extra(config, odd, odd, AttnArgs(0.1), backend.cache.args)
+    grid = fc.with_cluster_kv(fc.make_config("bfloat16", 192, 192), 6)
+    assert grid.cluster_kv and not grid.persistent and not fc.takes_lone_tiles(grid, 8)
+    with pytest.raises(ValueError, match="odd number of 128-row blocks"):
+        backend.launch_extra(grid, *[_q(2, 300, 4, 192)] * 2, AttnArgs(0.1), backend.cache.args)
     causal = fc.with_cluster_kv(fc.make_config("bfloat16", 128, 128, causal=True), 64)
     assert causal.cluster_kv and not causal.persistent
     with pytest.raises(ValueError, match="odd number of 192-row blocks"):

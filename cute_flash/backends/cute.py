@@ -667,12 +667,13 @@ class CuteSm90Backend(_CuteBackend):
 
     def config(self, q, k, v, lse, args: AttnArgs, **flags):
         """As the base class's, with `cluster_kv` where the call's shape allows it (`with_cluster_kv`:
-        no window, no varlen, an even number of query blocks, with a causal mask enough of them)."""
+        no window, no varlen, an even number of query blocks or, unmasked, of (batch, head) pairs,
+        with a causal mask enough query blocks)."""
         from ..kernels.sm90.fwd_config import with_cluster_kv
 
         config = super().config(q, k, v, lse, args, **flags)
-        _, max_seqlen_q = query_sizes(q, args)
-        return with_cluster_kv(config, -(-max_seqlen_q // config.tile_m))
+        num_batch, max_seqlen_q = query_sizes(q, args)
+        return with_cluster_kv(config, -(-max_seqlen_q // config.tile_m), num_batch * q.shape[-2])
 
     def tile_hints(self, q, args: AttnArgs) -> dict:
         """`short_sequences`: every sequence has at most SHORT_SEQUENCE_ROWS query rows (causal
@@ -695,11 +696,18 @@ class CuteSm90Backend(_CuteBackend):
         """The persistent grid's size (ignored by the one-CTA-per-tile kernels, which take it all
         the same), the tile order's section (`persistent_schedule`, `heads_per_section`) and,
         with `tile_counter`, a zeroed int32 tile counter (`tile_counter`; None otherwise).
-        Refuses a K/V-cluster configuration for an odd number of query blocks, which its CTA
-        pairs do not cover (`with_cluster_kv` never picks it)."""
-        if getattr(config, "cluster_kv", False) and -(-query_sizes(q, args)[1] // config.tile_m) % 2:
-            raise ValueError(f"config {config.name} pairs query blocks (cluster_kv), but seqlen_q "
-                             f"{query_sizes(q, args)[1]} makes an odd number of {config.tile_m}-row blocks")
+        Refuses a K/V-cluster configuration for an odd number of query blocks where its CTA
+        pairs do not cover them (`takes_lone_tiles`; `with_cluster_kv` never picks it)."""
+        if getattr(config, "cluster_kv", False):
+            from ..kernels.sm90.fwd_config import takes_lone_tiles
+
+            num_batch, max_seqlen_q = query_sizes(q, args)
+            pairs = num_batch * q.shape[-2]
+            if -(-max_seqlen_q // config.tile_m) % 2 and not takes_lone_tiles(config, pairs):
+                raise ValueError(f"config {config.name} pairs query blocks (cluster_kv), but seqlen_q "
+                                 f"{max_seqlen_q} makes an odd number of {config.tile_m}-row blocks, which it "
+                                 f"covers only unmasked in the persistent loop for an even number of (batch, "
+                                 f"head) pairs (here {pairs})")
         if not getattr(config, "persistent", False):
             return (a.i32(1), a.i32(heads_per_section(config, q, k, args)), None)
         counter = self.tile_counter(q.device) if config.tile_counter else None

@@ -284,7 +284,9 @@ def test_sm90_fwd_p_in_smem_matches_oracle(d, tile_n, grid, causal, seqlen_q, se
     backend = backend_or_skip(CuteSm90Backend)
     base = backend.config(q, k, v, lse, args)
     if grid:
-        base = on_grid(base)
+        # one CTA per tile pairs an even number of query blocks only (the persistent loop takes
+        # odd ones too, `cluster_tile_coords`)
+        base = on_grid(replace(base, cluster_kv=base.cluster_kv and -(-seqlen_q // base.tile_m) % 2 == 0))
     config = replace(base, tile_n=tile_n, p_in_smem=True, masked_halves=base.persistent and causal and tile_n == 128)
     _launch_config(backend, config, q, k, v, out, lse, args)
     check_forward(out, lse, q, k, v, args)
@@ -404,6 +406,34 @@ def test_sm90_fwd_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, seqlen
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
 
 
+# odd numbers of 192-row query blocks: 5, 3, 1 and 11
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(900, 1001), (461, 333), (100, 1001), (2000, 2048)])
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (128, 64), (64, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sm90_fwd_kv_clusters_of_an_odd_number_of_query_blocks_match_single_ctas(dtype, d, dv, seqlen_q, seqlen_k):
+    """Unmasked persistent calls with an odd number of query blocks and an even number of (batch,
+    head) pairs take `cluster_kv` too: the last query blocks of two neighbouring pairs share a
+    cluster, each CTA loading both halves of its own K/V tiles (`cluster_tile_coords`). The oracle
+    passes and O and the LSE are bitwise those of single CTAs, with GQA (24 query heads over 8)
+    putting pairs of different KV heads in one cluster, NaN-filled K/V buffers and key tails."""
+    backend = _backend()
+    torch.manual_seed(d + dv + seqlen_q + seqlen_k)
+    q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, dv, dtype)
+    args = _args(d)
+    lse = torch.empty(3, 24, seqlen_q, dtype=torch.float32, device="cuda")
+    shipped = backend.config(q, k, v, lse, args)
+    assert shipped.cluster_kv and shipped.persistent and -(-seqlen_q // shipped.tile_m) % 2, shipped.name
+    out, lse = _run(q, k, v, args)
+    check_forward(out, lse, q, k, v, args)
+    alone = replace(shipped, cluster_kv=False)
+    fn, _ = backend.cache.get(alone, backend.arch())
+    a = backend.cache.args
+    out1, lse1 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    backend.launch(fn, q, k, v, out1, lse1, args, a, extra=backend.launch_extra(alone, q, k, args, a))
+    torch.cuda.synchronize()
+    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+
+
 # even numbers of query blocks of 128 rows (head dim 192) and of 192 (64 and 128)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1001), (701, 1001), (1001, 333), (256, 4097), (2304, 2304)])
 @pytest.mark.parametrize("d,dv,softcap", [(128, 128, 0.0), (192, 192, 0.0), (128, 128, 15.0), (192, 192, 15.0),
@@ -472,12 +502,13 @@ def test_sm90_fwd_kv_cluster_grid_is_as_many_pairs_as_the_gpu_runs_at_once():
 
 
 def test_sm90_fwd_kv_clusters_only_where_both_ctas_see_the_same_keys():
-    """`cluster_kv` needs an even number of query blocks and no mask or varlen; other calls keep
-    single CTAs (and still pass the oracle): 5 blocks of 192 rows, and a causal call of 12."""
+    """`cluster_kv` needs an even number of query blocks (or, unmasked, of (batch, head) pairs) and
+    no mask or varlen; other calls keep single CTAs (and still pass the oracle): 5 blocks of 192
+    rows over 7 pairs, and a causal call of 12."""
     backend = _backend()
     torch.manual_seed(3)
     for seqlen_q, causal in ((900, False), (2304, True)):
-        q, k, v = _qkv(2, seqlen_q, 1024, 8, 8, 128, 128, torch.bfloat16)
+        q, k, v = _qkv(1, seqlen_q, 1024, 7, 7, 128, 128, torch.bfloat16)
         args = _args(128, causal)
         assert not backend.config(q, k, v, None, args).cluster_kv
         _check(q, k, v, args)

@@ -62,7 +62,12 @@ a warp arrive on CTA 0's and CTA 1's), so a producer overwrites a slot only once
 done with it. Before a producer leaves, it waits for every slot to be released (`kv_tail`), so
 that no arrive of the other CTA reaches a CTA that has exited. Both CTAs walk the same key
 blocks; the arithmetic is unchanged (O is bitwise that of single CTAs), and L2 serves half the
-K/V bytes, which at the H200's power cap shows as a higher SM clock. Causal calls with enough
+K/V bytes, which at the H200's power cap shows as a higher SM clock. In the persistent loop an
+odd number of query blocks takes the clusters too, for an even number of (batch, head) pairs:
+the last query blocks of two neighbouring pairs make one `lone` tile of the cluster
+(`cluster_tile_coords`), on which each producer loads both halves of its own K/V tiles into its
+own slots alone (the multicast mask of its rank), so that both CTAs still walk the same number
+of key blocks and the barriers count as above. Causal calls with enough
 query blocks take the clusters too, on one CTA per tile (`with_cluster_kv`): the later query
 block of a pair sees a key block or two more than the earlier one, so both CTAs walk the later
 one's blocks (`cluster_walk_end`) and the earlier one waits for those past its own and releases
@@ -147,6 +152,27 @@ def tile_coords(tile, num_m_blocks, num_heads, num_batch, heads_per_section, lon
     pair = section * heads_per_section + r - m_idx * heads_here
     m_block = num_m_blocks - 1 - m_idx if longest_first else m_idx
     return m_block, pair % num_heads, pair // num_heads
+
+
+def cluster_tile_coords(tile, num_m_blocks, rank, maximum=max):
+    """(m_block, (batch, head) pair, lone) of tile `tile` of a persistent K/V-cluster grid for the
+    CTA of cluster rank `rank` (plain integer arithmetic, as `tile_coords`).
+
+    The pairs go two at a time, and pairs 2g and 2g + 1 have num_m_blocks tiles between them:
+    num_m_blocks // 2 each of two neighbouring query blocks (lone 0: the CTAs share the pair's
+    K/V, each loading half of every tile into both), and with an odd number of query blocks a
+    last one of the last query block of both (lone 1: CTA r takes pair 2g + r's and loads its
+    K/V alone), so that both CTAs of a cluster always walk the same number of key blocks. With
+    an even number this is the order of `tile_coords` with one head per section. The caller
+    takes an even number of pairs where num_m_blocks is odd (`with_cluster_kv`)."""
+    half = num_m_blocks // 2
+    group = tile // num_m_blocks
+    r = tile - group * num_m_blocks
+    lone = (num_m_blocks - 2 * half) * ((r + 1) // num_m_blocks)
+    side = r // maximum(half, 1)
+    pair = 2 * group + (1 - lone) * side + lone * rank
+    m_block = (1 - lone) * (2 * (r - side * half) + rank) + lone * 2 * half
+    return m_block, pair, lone
 
 
 def multicast(mask) -> dict:
@@ -431,19 +457,21 @@ class FlashFwdSm90(TimelineCounters):
 
     def persistent_tile(self, tile, num_m_blocks, num_heads, num_batch, heads_per_section, mQ, mK, mCuSeqlensQ,
                         mCuSeqlensK, mSeqUsedK, window_left, window_right) -> tuple:
-        """(m_block, head, batch) of a persistent CTA's tile `tile` (`tile_coords`, longest first
-        with a causal mask or window) and that sequence's `sequence`."""
+        """(m_block, head, batch, lone) of a persistent CTA's tile `tile` (`tile_coords`, longest
+        first with a causal mask or window; with `cluster_kv` `cluster_tile_coords`, whose `lone`
+        tiles load their K/V without the other CTA, else None) and that sequence's `sequence`."""
         cfg = self.cfg
+        lone = None
         if cutlass.const_expr(cfg.cluster_kv):
-            # `tile` is a pair of query blocks; this CTA takes the one of its rank in the cluster
-            m_pair, head, batch = tile_coords(tile, num_m_blocks // 2, num_heads, num_batch, heads_per_section, False,
-                                              cutlass.min)
-            m_block = 2 * m_pair + cute.arch.block_idx_in_cluster()
+            # `tile` is a pair of query blocks (or, `lone`, the last ones of two heads); this CTA
+            # takes the one of its rank in the cluster (one head per section: no mask)
+            m_block, pair, lone = cluster_tile_coords(tile, num_m_blocks, cute.arch.block_idx_in_cluster(), cutlass.max)
+            head, batch = pair % num_heads, pair // num_heads
         else:
             m_block, head, batch = tile_coords(
                 tile, num_m_blocks, num_heads, num_batch, heads_per_section, cfg.causal or cfg.local, cutlass.min
             )
-        return (m_block, head, batch) + self.sequence(
+        return (m_block, head, batch, lone) + self.sequence(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right
         )
 
@@ -564,13 +592,13 @@ class FlashFwdSm90(TimelineCounters):
         """The producer's loads of persistent tile `tile` (none if it has no visible key)."""
         cfg = self.cfg
         num_heads, num_heads_k = self.head_counts(tile_args[4], tile_args[5])
-        m_block, head, batch, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
+        m_block, head, batch, lone, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
         if m_block * cfg.tile_m < seqlen.seqlen_q:
             n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
             if n_block_max > n_block_min:
                 q_state, kv_state = self.load(
                     *load_args, seqlen, m_block, head, head // (num_heads // num_heads_k), batch,
-                    n_block_min, n_block_max, states=(q_state, kv_state),
+                    n_block_min, n_block_max, states=(q_state, kv_state), lone=lone,
                 )
         return q_state, kv_state
 
@@ -579,7 +607,7 @@ class FlashFwdSm90(TimelineCounters):
                                 q_state, kv_state):
         """The consumers' share of persistent tile `tile`."""
         cfg = self.cfg
-        m_block, head, batch, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
+        m_block, head, batch, _, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
         if m_block * cfg.tile_m < seqlen.seqlen_q:
             n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
             mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, left, right, cfg.mask_bits)
@@ -596,10 +624,12 @@ class FlashFwdSm90(TimelineCounters):
     def load(
         self, tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
         pipeline_q, pipeline_k, pipeline_v, seqlen: SeqlenInfo, m_block, head, head_k, batch,
-        n_block_min, n_block_max, states=None,
+        n_block_min, n_block_max, states=None, lone=None,
     ):
         """The loads of one tile. `states`: the (Q, K/V) ring states of a persistent CTA, returned
-        advanced past this tile; None for the one tile of a non-persistent CTA."""
+        advanced past this tile; None for the one tile of a non-persistent CTA. `lone` (persistent
+        `cluster_kv`): 1 where the cluster's CTAs are on different heads (`cluster_tile_coords`),
+        each then loading both halves of every K/V tile into its own slots alone."""
         cfg = self.cfg
         gQ = cute.local_tile(self.rows(tma_mQ, cfg.varlen_q, seqlen.offset_q, batch, head),
                              (cfg.tile_m, cfg.head_dim), (m_block, 0))
@@ -615,6 +645,15 @@ class FlashFwdSm90(TimelineCounters):
             kv_rank, kv_ctas, mcast = cute.arch.block_idx_in_cluster(), cute.make_layout(2), cutlass.Int16(3)
         tKsK, tKgK = cpasync.tma_partition(tma_K, kv_rank, kv_ctas, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_V, kv_rank, kv_ctas, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        # a `lone` tile: both halves, each to this CTA alone (the mask of its own rank)
+        other_k = other_v = None
+        if cutlass.const_expr(cfg.cluster_kv and lone is not None):
+            mcast = cutlass.Int16(3 - lone * (2 - kv_rank))
+            tKsK1, tKgK1 = cpasync.tma_partition(tma_K, 1 - kv_rank, kv_ctas, cute.group_modes(sK, 0, 2),
+                                                 cute.group_modes(gK, 0, 2))
+            tVsV1, tVgV1 = cpasync.tma_partition(tma_V, 1 - kv_rank, kv_ctas, cute.group_modes(sV, 0, 2),
+                                                 cute.group_modes(gV, 0, 2))
+            other_k, other_v = (tKgK1, tKsK1, lone), (tVgV1, tVsV1, lone)
 
         if cutlass.const_expr(states is None):
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -622,16 +661,16 @@ class FlashFwdSm90(TimelineCounters):
         else:
             q_state, kv_state = states
         # K first: the first S GEMM needs only Q and K.
-        self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block_max - 1, kv_state, mcast)
+        self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block_max - 1, kv_state, mcast, other_k)
         pipeline_q.producer_acquire(q_state)
         cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
             v_state = kv_state.clone()
             kv_state.advance()
-            self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block, kv_state, mcast)
-            self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block + 1, v_state, mcast)
-        self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block_min, kv_state, mcast)
+            self.load_tile(pipeline_k, tma_K, tKgK, tKsK, n_block, kv_state, mcast, other_k)
+            self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block + 1, v_state, mcast, other_v)
+        self.load_tile(pipeline_v, tma_V, tVgV, tVsV, n_block_min, kv_state, mcast, other_v)
         if cutlass.const_expr(cfg.cluster_kv and states is None):
             kv_state.advance()
             self.kv_tail(pipeline_k, pipeline_v, kv_state)
@@ -640,13 +679,20 @@ class FlashFwdSm90(TimelineCounters):
             kv_state.advance()
             return q_state, kv_state
 
-    @staticmethod
-    def load_tile(pipe, tma_atom, tXgX, tXsX, n_block, state, mcast=None):
+    @cute.jit
+    def load_tile(self, pipe, tma_atom, tXgX, tXsX, n_block, state, mcast=None, other=None):
         """Wait for ring slot `state` to be free, arm its barrier and TMA key block `n_block` into it
-        (with `mcast`, this CTA's part of it into the slot of every CTA of the mask)."""
+        (with `mcast`, this CTA's part of it into the slot of every CTA of the mask; `other`: the
+        other CTA's part (its partition of global and shared memory) and `lone`, which, when 1,
+        loads that part too, with the same mask)."""
         pipe.producer_acquire(state)
         cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state),
                   **multicast(mcast))
+        if cutlass.const_expr(other is not None):
+            other_g, other_s, lone = other
+            if lone == 1:
+                cute.copy(tma_atom, other_g[None, n_block], other_s[None, state.index],
+                          tma_bar_ptr=pipe.producer_get_barrier(state), **multicast(mcast))
 
     @staticmethod
     def kv_tail(pipeline_k, pipeline_v, kv_state):

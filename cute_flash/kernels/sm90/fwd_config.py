@@ -238,7 +238,8 @@ class Sm90FwdConfig:
     # Clusters of two CTAs on neighbouring query blocks of one (batch, head) share its K and V:
     # each CTA loads half of every K/V tile by TMA multicast into both, which halves the K/V
     # reads from L2 (`with_cluster_kv`: calls without a window, varlen or seqused_k, with an even
-    # number of query blocks, on tiles of 80 keys or more; causal ones on one CTA per tile).
+    # number of query blocks -- unmasked persistent ones an odd number too, for an even number of
+    # (batch, head) pairs -- on tiles of 80 keys or more; causal ones on one CTA per tile).
     cluster_kv: bool = False
     # Causal, window and key-tail masks of a row through a bit mask of its elements, which ptxas
     # turns into predicates seven at a time (R2P; `AttentionMask.apply`), instead of one integer
@@ -454,11 +455,14 @@ CAUSAL_CLUSTER_MIN_BLOCKS = 64
 CAUSAL_CLUSTER_HEADDIMS = (128, 192)
 
 
-def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
-    """`config` with `cluster_kv` where a call with `num_m_blocks` query blocks per sequence can
-    take it: no window, no varlen or seqused_k, tiles of 80 keys or more, an even number of query
-    blocks, so that both CTAs of a cluster walk the key blocks of the same (batch, head), and with
-    a causal mask at least `CAUSAL_CLUSTER_MIN_BLOCKS` of them at `CAUSAL_CLUSTER_HEADDIMS` (one
+def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int, num_pairs: int = 2) -> Sm90FwdConfig:
+    """`config` with `cluster_kv` where a call with `num_m_blocks` query blocks per sequence and
+    `num_pairs` (batch, head) pairs can take it: no window, no varlen or seqused_k, tiles of 80 keys
+    or more, an even number of query blocks, so that both CTAs of a cluster walk the key blocks of
+    the same (batch, head) -- or, without a mask in the persistent loop, an odd number and an even
+    number of pairs, whose last query blocks go two heads to a cluster, each CTA loading its own
+    K/V (`cluster_tile_coords`) -- and with a causal mask at least `CAUSAL_CLUSTER_MIN_BLOCKS` of
+    them at `CAUSAL_CLUSTER_HEADDIMS` (one
     CTA per tile, above); and not on head dim 256's 128 x 64 tile, where it measured level (H200,
     bf16, 2 x 8192 x 8 heads, three rounds: 722-732 TFLOP/s against 730-731): one CTA per tile
     fills an SM, and a cluster waits for two free SMs. Elsewhere on an H200
@@ -466,13 +470,25 @@ def with_cluster_kv(config: Sm90FwdConfig, num_m_blocks: int) -> Sm90FwdConfig:
     dim 128 2 x 8192 666.4 against 646.9 TFLOP/s (SM clock 1674 against 1633 MHz at the 700 W
     cap), 8 x 2048 615.2 against 606.7; 96 (on its former 128 x 128 tile) 558.2 against 541.6; 192
     716.9 against 709.1; 64 at 1 x 16384 534.1 against 530.1 (head dim 128 on its former 128 x 128
-    tile; on 192 x 80, the module docstring)."""
-    if num_m_blocks % 2 or config.tile_n < 80:
+    tile; on 192 x 80, the module docstring). The odd numbers of query blocks (`takes_lone_tiles`)
+    measured level on an H100 80GB HBM3 (`benchmarks/ab_clusters.py --rounds 7`, bf16, no mask,
+    medians, TFLOP/s, with the clusters / without; O and LSE bitwise equal): hd128 2 x 8192 (43
+    blocks of 192 rows) 697.4 / 700.7, 8 x 2048 (11) 658.7 / 653.3, hd64 2 x 8192 552.8 / 548.6,
+    hd96 622.8 / 630.8, at a 30-70 MHz higher SM clock at the same 690-700 W; untimed on an H200,
+    where the clusters of even numbers paid through that clock."""
+    if config.tile_n < 80 or (num_m_blocks % 2 and not takes_lone_tiles(config, num_pairs)):
         return config
     if config.pairs_query_blocks or (config.pairs_causal_query_blocks and num_m_blocks >= CAUSAL_CLUSTER_MIN_BLOCKS
                                      and max(config.head_dim, config.head_dim_v) in CAUSAL_CLUSTER_HEADDIMS):
         return _clustered(config)
     return config
+
+
+def takes_lone_tiles(config: Sm90FwdConfig, num_pairs: int) -> bool:
+    """Whether a K/V-cluster `config` covers an odd number of query blocks for `num_pairs` (batch,
+    head) pairs: its last query blocks then go two heads to a cluster (`cluster_tile_coords`),
+    which the persistent loop of unmasked calls takes, for an even number of pairs."""
+    return config.persistent and config.pairs_query_blocks and num_pairs % 2 == 0
 
 
 # The fields `on_grid` sets: one CTA per tile, so no persistent loop, tile counter (nor its take
@@ -550,7 +566,7 @@ def shipped_configs() -> list:
     # blocks on a window's right edge (not taken by default: untimed)
     configs += [make_config("bfloat16", 64, 64, causal=True, masked_halves=False)]
     configs += [make_config("bfloat16", 64, 64, local=True, masked_halves=True)]
-    # the K/V-sharing clusters of unmasked calls with an even number of query blocks
+    # the K/V-sharing clusters of unmasked calls (an even number of query blocks, or of pairs)
     configs += [replace(make_config(dtype, d, d), cluster_kv=True) for d in (64, 96, 128, 192) for dtype in DTYPES]
     configs += [with_cluster_kv(make_config(dtype, d, d, causal=True), CAUSAL_CLUSTER_MIN_BLOCKS)
                 for d in CAUSAL_CLUSTER_HEADDIMS for dtype in DTYPES]
