@@ -379,22 +379,17 @@ def test_sm90_fwd_causal_schedules_cover_every_tile(causal_tile, d, seqlen_q, se
     check_forward(out, lse, q, k, v, args)
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(2304, 2048), (1000, 1001), (1000, 77), (256, 4097)])
-@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (128, 64), (64, 128)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_sm90_fwd_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, seqlen_q, seqlen_k):
-    """Unmasked calls with an even number of query blocks take `cluster_kv` (pairs of CTAs that
-    load half of each K/V tile into both by TMA multicast): the oracle passes, and O and the LSE
-    are bitwise those of the same kernel without clusters (the same arithmetic in the same
-    order). Key tails are cut mid-tile, K/V sit in NaN-filled buffers, and 3 x 24 heads give
-    the persistent grid several tiles per cluster."""
+def _kv_clusters_match_single_ctas(dtype, d, dv, seqlen_q, seqlen_k, odd_blocks):
+    """A call of 3 x 24 heads over 8 KV heads that takes `cluster_kv` (with an odd number of
+    query blocks where `odd_blocks`) passes the oracle, and its O and LSE are bitwise those of
+    the same kernel without clusters."""
     backend = _backend()
     torch.manual_seed(d + dv + seqlen_q + seqlen_k)
     q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, dv, dtype)
     args = _args(d)
     lse = torch.empty(3, 24, seqlen_q, dtype=torch.float32, device="cuda")
     shipped = backend.config(q, k, v, lse, args)
-    assert shipped.cluster_kv, shipped.name
+    assert shipped.cluster_kv and -(-seqlen_q // shipped.tile_m) % 2 == odd_blocks, shipped.name
     out, lse = _run(q, k, v, args)
     check_forward(out, lse, q, k, v, args)
     alone = replace(shipped, cluster_kv=False)
@@ -404,6 +399,18 @@ def test_sm90_fwd_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, seqlen
     backend.launch(fn, q, k, v, out1, lse1, args, a, extra=backend.launch_extra(alone, q, k, args, a))
     torch.cuda.synchronize()
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(2304, 2048), (1000, 1001), (1000, 77), (256, 4097)])
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (128, 64), (64, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sm90_fwd_kv_clusters_match_single_ctas_bit_for_bit(dtype, d, dv, seqlen_q, seqlen_k):
+    """Unmasked calls with an even number of query blocks take `cluster_kv` (pairs of CTAs that
+    load half of each K/V tile into both by TMA multicast): the oracle passes, and O and the LSE
+    are bitwise those of the same kernel without clusters (the same arithmetic in the same
+    order). Key tails are cut mid-tile, K/V sit in NaN-filled buffers, and 3 x 24 heads give
+    the persistent grid several tiles per cluster."""
+    _kv_clusters_match_single_ctas(dtype, d, dv, seqlen_q, seqlen_k, odd_blocks=0)
 
 
 # odd numbers of 192-row query blocks: 5, 3, 1 and 11
@@ -416,22 +423,7 @@ def test_sm90_fwd_kv_clusters_of_an_odd_number_of_query_blocks_match_single_ctas
     cluster, each CTA loading both halves of its own K/V tiles (`cluster_tile_coords`). The oracle
     passes and O and the LSE are bitwise those of single CTAs, with GQA (24 query heads over 8)
     putting pairs of different KV heads in one cluster, NaN-filled K/V buffers and key tails."""
-    backend = _backend()
-    torch.manual_seed(d + dv + seqlen_q + seqlen_k)
-    q, k, v = _qkv(3, seqlen_q, seqlen_k, 24, 8, d, dv, dtype)
-    args = _args(d)
-    lse = torch.empty(3, 24, seqlen_q, dtype=torch.float32, device="cuda")
-    shipped = backend.config(q, k, v, lse, args)
-    assert shipped.cluster_kv and shipped.persistent and -(-seqlen_q // shipped.tile_m) % 2, shipped.name
-    out, lse = _run(q, k, v, args)
-    check_forward(out, lse, q, k, v, args)
-    alone = replace(shipped, cluster_kv=False)
-    fn, _ = backend.cache.get(alone, backend.arch())
-    a = backend.cache.args
-    out1, lse1 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
-    backend.launch(fn, q, k, v, out1, lse1, args, a, extra=backend.launch_extra(alone, q, k, args, a))
-    torch.cuda.synchronize()
-    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+    _kv_clusters_match_single_ctas(dtype, d, dv, seqlen_q, seqlen_k, odd_blocks=1)
 
 
 # even numbers of query blocks of 128 rows (head dim 192) and of 192 (64 and 128)
