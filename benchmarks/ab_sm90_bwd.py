@@ -17,7 +17,8 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   (off), `dq_swap` (off), `rotate_queries` (`rotate` / `no rotate`), one more Q / dO stage where
   it fits (head dim 64), where the 96-key tile ships (`keys_n`), the 64-key column-split tile
   (`64 keys`), the row-major dQ tile in place of the flat one (`row-major dQ`, and with the
-  swap where the tile's columns allow it, `row-major dQ swapped`), with a causal mask the masked
+  swap where the tile's columns allow it, `row-major dQ swapped`), dQ written by the main kernel's
+  conversion CTAs instead of the postprocess kernel (`in-kernel dQ`), with a causal mask the masked
   path's verdicts by a comparison per (key, query) pair instead of bit masks (`compares`), and
   `deterministic` (ordered dQ reduce-adds, without clusters or rotation);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
@@ -61,7 +62,8 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     flips = [("stats_early", {"stats_early": not shipped.stats_early})]
     if shipped.dq_writer:
         flips.append(("dq_fence_late", {"dq_fence_late": not shipped.dq_fence_late}))
-        flips.append(("no dq_writer", {"dq_writer": False, "dq_fence_late": False, "dq_stages": 1, "dq_flat": False}))
+        flips.append(("no dq_writer", {"dq_writer": False, "dq_fence_late": False, "dq_stages": 1, "dq_flat": False,
+                                       "dq_convert": False}))
     if shipped.dq_stages > 1:
         flips.append(("one dQ tile", {"dq_stages": 1}))
     elif shipped.dq_writer:
@@ -91,11 +93,14 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if shipped.dq_swap:
         # the dQ tile's 64-bit stores in the accumulator's own column order (two rows per bank)
         flips.append(("no dq_swap", {"dq_swap": False}))
+    if shipped.dq_flat and not shipped.deterministic:
+        # dQ written by the main kernel's own conversion CTAs instead of the postprocess kernel
+        flips.append(("in-kernel dQ", {"dq_convert": True}))
     if shipped.dq_flat:
         # the row-major dQ tile and its tensor-TMA reduce-add, with and without the swap
-        flips.append(("row-major dQ", {"dq_flat": False}))
+        flips.append(("row-major dQ", {"dq_flat": False, "dq_convert": False}))
         if shipped.dq_cols % 32 == 0:
-            flips.append(("row-major dQ swapped", {"dq_flat": False, "dq_swap": True}))
+            flips.append(("row-major dQ swapped", {"dq_flat": False, "dq_convert": False, "dq_swap": True}))
     if shipped.causal or shipped.local:
         # the masked path's (key, query) verdicts by a comparison each instead of bit masks
         flips.append(("compares", {"mask_bits": False}))
@@ -103,7 +108,8 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     flips.append(("no rotate" if shipped.rotate_queries else "rotate", {"rotate_queries": not shipped.rotate_queries}))
     flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))
     # ordered dQ reduce-adds (`deterministic`: no cluster, no rotation, lpt's grid)
-    flips.append(("deterministic", {"deterministic": True, "cluster_q": False, "rotate_queries": False, "lpt": True}))
+    flips.append(("deterministic", {"deterministic": True, "cluster_q": False, "rotate_queries": False, "lpt": True,
+                                    "dq_convert": False}))
     if only is not None:
         flips = [(label, change) for label, change in flips if label in only]
     out, seen = [("shipped", shipped)], {shipped}

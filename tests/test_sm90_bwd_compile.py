@@ -178,8 +178,9 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    # each one is compiled and audited (+ 3 row-major dQ tiles and a comparison-masked tile for A/B)
-    assert len(configs) <= 39
+    # each one is compiled and audited (+ 3 row-major dQ tiles, 11 with the in-kernel dQ and a
+    # comparison-masked tile for A/B)
+    assert len(configs) <= 50
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -195,6 +196,8 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
                 flipped["dq_flat"] = False  # and so does the flat dQ store
             if f.name in ("dq_swap", "varlen_q"):
                 flipped["dq_flat"] = False  # a swap of the row-major tile's columns; varlen's tile
+            if not flipped.get("dq_flat", True) or f.name == "deterministic":
+                flipped["dq_convert"] = False  # the conversion CTAs read the flat accumulator, unordered
             if f.name == "dk_after_dq":
                 flipped["dk_behind_dq"] = False  # the two exclude each other
             if f.name in ("dq_rows", "dv_after_ds"):
@@ -209,6 +212,21 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
     assert replace(keys_n, keys_n=False).name != keys_n.name
     assert replace(keys_n, single_dout=True).name != keys_n.name
     assert replace(wide, dq_rows=False, tile_m=64).name != wide.name
+
+
+def test_sm90_bwd_conversion_ctas_take_flat_accumulators_of_unordered_calls_only():
+    """`dq_convert` (an A/B option that make_config leaves off): the main kernel may write dQ itself
+    wherever it stores it flat (fixed-length calls), with any mask, at every head dim; the config
+    refuses it without the flat store (varlen queries) and for deterministic calls."""
+    for d in bc.TILE_HEADDIMS:
+        for mask in ({}, {"causal": True}, {"local": True}):
+            assert not bc.make_config("bfloat16", d, d, **mask).dq_convert
+            assert bc.make_config("bfloat16", d, d, dq_convert=True, **mask).dq_convert, (d, mask)
+            with pytest.raises(ValueError, match="dq_convert"):
+                bc.make_config("bfloat16", d, d, deterministic=True, dq_convert=True, **mask)
+    with pytest.raises(ValueError, match="dq_convert"):
+        bc.make_config("bfloat16", 128, 128, varlen_q=True, varlen_k=True, dq_convert=True)
+    assert bc.make_config("bfloat16", 128, 128, seqused_k=True, dq_convert=True).dq_convert
 
 
 def test_sm90_bwd_q_clusters_pair_key_blocks_of_unmasked_calls_up_to_head_dim_128():
@@ -400,7 +418,7 @@ def test_sm90_bwd_deterministic_calls_keep_their_tile_without_cluster_or_rotatio
     assert main.deterministic and main.dq_writer and not main.cluster_q and not main.rotate_queries
     assert "deterministic" in main.name
     assert main.dq_flat and plain.dq_flat and not main.dq_swap  # fixed length: dQ stored flat
-    assert replace(plain, cluster_q=False, rotate_queries=False, lpt=True, deterministic=True) == main
+    assert replace(plain, cluster_q=False, rotate_queries=False, lpt=True, dq_convert=False, deterministic=True) == main
     assert bc.with_cluster_q(main, 64) is main
     assert not main.shortest_first
     causal = AttnArgs(0.1, causal=True, window_right=0)

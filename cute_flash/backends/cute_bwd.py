@@ -16,8 +16,9 @@ through a turn counter per (batch, head, query block), so dQ is the same on ever
 WGMMA, warp-specialized). Where that kernel stores dQ flat, in its accumulator's order
 (`dq_flat`: fixed-length calls with the dQ writer warp), the accumulator is (batch, head,
 padded seqlen, d), which the preprocess clears whole, and the sm_90 postprocess
-(`kernels/sm90/bwd_post.py`) puts dQ back in row order; otherwise the postprocess is the sm_80
-one too. Its kernel loads
+(`kernels/sm90/bwd_post.py`) puts dQ back in row order (or, with the A/B option `dq_convert`,
+the main kernel's own CTAs launched after the key blocks', each query block once the key blocks
+that see it have added into it); otherwise the postprocess is the sm_80 one too. Its kernel loads
 the LSE and D rows by TMA, whose global strides must be multiples of 16 bytes, so their buffers
 here have a row pitch padded to 4 floats (a box must also start 16-byte aligned: the kernel
 starts a varlen sequence's up to 3 rows early). With `deterministic=True` its dQ writer warp
@@ -247,6 +248,21 @@ def backward(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: AttnArgs,
          num_batch, max_seqlen_q)
 
 
+def convert_ctas(device: torch.device, chunks: int) -> int:
+    """`dq_convert`: the main kernel's conversion CTAs for `chunks` chunks of dQ to convert (each of
+    a CTA's warpgroups takes one at a time, `NUM_CONVERT_GROUPS`): one per SM, or fewer where
+    there are fewer chunks than their warpgroups; an even number, for the grid's clusters of two."""
+    from ..kernels.sm90.bwd_config import NUM_CONVERT_GROUPS
+
+    wanted = -(-chunks // NUM_CONVERT_GROUPS)
+    return max(2, min(_sm_count(cuda_index(device)) // 2 * 2, -(-wanted // 2) * 2))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _tma_row_stats(lse: torch.Tensor) -> torch.Tensor:
     """An uninitialised float32 tensor shaped like `lse` whose rows start 16 bytes apart (the row
     pitch padded to 4 floats), as TMA needs; only the preprocess kernel writes it."""
@@ -283,9 +299,11 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
         dq_accum = torch.empty(num_batch, q.shape[-2], rows, main.head_dim, dtype=torch.float32, device=q.device)
     else:
         dq_accum = torch.empty(*q.shape[:-1], main.head_dim, dtype=torch.float32, device=q.device)  # cleared by `pre`
-    # deterministic: one turn counter per (batch, head, query block)
+    # deterministic: one turn counter per (batch, head, query block); dq_convert: one count of the
+    # key blocks that have added into it
     dq_sem = (torch.zeros(num_batch, q.shape[-2], -(-max_seqlen_q // main.tile_m), dtype=torch.int32, device=q.device)
-              if main.deterministic else None)
+              if main.deterministic or main.dq_convert else None)
+    num_convert_ctas = convert_ctas(q.device, dq_sem.numel() * main.dq_chunks) if main.dq_convert else 0
 
     fn_main, _ = sm90_kernel_cache().get(main, backend.arch(q.device))
     scale_log2, softcap_prescale = softmax_constants(args.softmax_scale, args.softcap)
@@ -296,11 +314,15 @@ def backward_sm90(backend, dout, q, k, v, out, lse, dlse, dq, dk, dv, args: Attn
             m.tensor(q, 16), m.tensor(k, 16), m.tensor(v, 16), m.tensor(dout, 16), m.tensor(lse_log2, 16),
             m.tensor(delta, 16), m.tensor(dq_accum, 16), m.tensor(dk, 16), m.tensor(dv, 16),
             m.tensor(args.cu_seqlens_q, 4), m.tensor(args.cu_seqlens_k, 4), m.tensor(args.seqused_k, 4),
-            m.tensor(dq_sem, 4), m.i32(num_batch), m.i32(max_seqlen_k), m.f32(args.softmax_scale), m.f32(scale_log2),
-            m.f32(softcap_prescale), m.i32(args.window_left), m.i32(args.window_right), *m.stream(),
+            m.tensor(dq_sem, 4), m.tensor(dq if main.dq_convert else None, 16), m.i32(num_batch), m.i32(max_seqlen_k),
+            m.i32(num_convert_ctas), m.f32(args.softmax_scale), m.f32(scale_log2), m.f32(softcap_prescale),
+            m.i32(args.window_left), m.i32(args.window_right), *m.stream(),
         )
 
-    if main.dq_flat:
+    if main.dq_convert:  # the main kernel's conversion CTAs write dq
+        def launch_post():
+            pass
+    elif main.dq_flat:
         launch_post = _flat_post_launcher(backend, post, q, dq_accum, dq, args, max_seqlen_q)
     else:
         launch_post = _row_post_launcher(backend, post, q, dq_accum, dq, args, num_batch, max_seqlen_q)

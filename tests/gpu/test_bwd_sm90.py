@@ -388,6 +388,47 @@ def test_sm90_bwd_rotated_query_walks_match_walks_from_the_first_block(d, seqlen
         torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-2, msg=lambda m, name=name: f"{name}: {m}")
 
 
+CONVERT_CASES = [
+    # (d, seqlen_q, seqlen_k, heads, heads_k, mask): more query blocks than conversion CTAs, so
+    # that each CTA converts several; rows no key is visible to (causal with seqlen_q > seqlen_k,
+    # the window) get dQ = 0 from blocks that count no key block
+    (64, 2048, 2048, 8, 8, {}),
+    (64, 1000, 1537, 6, 2, {"causal": True}),
+    (128, 1537, 1000, 4, 4, {"causal": True}),
+    (128, 1111, 1111, 8, 2, {"window_left": 100, "window_right": 30}),
+    (128, 2047, 2049, 9, 3, {}),
+    (192, 777, 1024, 4, 2, {"causal": True}),
+    (256, 1200, 800, 4, 4, {}),
+]
+
+
+@pytest.mark.parametrize("case", CONVERT_CASES)
+def test_sm90_bwd_conversion_ctas_match_the_postprocess_kernel(case):
+    """`dq_convert` (an A/B option, on fixed-length calls): the main kernel's own conversion CTAs
+    write dQ from the flat accumulator once each query block's key blocks have added into it.
+    Against the oracle, and against the postprocess kernel after the same main kernel without
+    them (dQ up to its reduce-adds' float32 order; dK and dV bitwise), with every gradient
+    NaN-poisoned first, so a block converted before its last add or never shows."""
+    from dataclasses import replace
+
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    d, seqlen_q, seqlen_k, heads, heads_k, mask = case
+    torch.manual_seed(d + seqlen_q + seqlen_k + heads)
+    q = randn_in_nan((2, seqlen_q, heads, d), torch.bfloat16, row_dim=1, pad_rows=3)
+    k, v = nan_framed_kv(2, seqlen_k, heads_k, d, d, torch.bfloat16)
+    args = _args(d, **({"window_right": 0, **mask} if mask.get("causal") else mask))
+    main = sm90_configs(q, k, v, None, args)[1]
+    assert main.dq_flat and not main.dq_convert, main.name
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = _transposed_dout(out.shape, q.dtype)
+    fused, separate = _run_main_kernels((replace(main, dq_convert=True), main), q, k, v, out, lse, dout, args)
+    check_backward(fused, dout, None, q, k, v, out, lse, args)
+    assert torch.equal(fused[1], separate[1]) and torch.equal(fused[2], separate[2])
+    torch.testing.assert_close(fused[0], separate[0], atol=1e-3, rtol=1e-2)
+
+
 def test_sm90_bwd_q_clusters_only_where_both_ctas_walk_the_same_queries():
     """`cluster_q` needs an even number of key blocks, no mask and a head dim up to 96; other
     calls keep single CTAs (and still pass the oracle)."""

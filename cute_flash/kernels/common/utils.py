@@ -58,6 +58,35 @@ def bulk_reduce_add_f32(gmem_addr, smem_addr, nbytes: int, *, loc=None, ip=None)
     )
 
 
+@dsl_user_op
+def trap(*, loc=None, ip=None):
+    """Stop the kernel with an error (PTX `trap`): the launch fails loudly instead of hanging or
+    writing a wrong result."""
+    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def nanosleep(ns, *, loc=None, ip=None):
+    """Suspend the warp for about `ns` nanoseconds (PTX `nanosleep`, at most 1 ms)."""
+    llvm.inline_asm(None, [cutlass.Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cute.jit
+def wait_for_count(count_ptr, count, max_polls: cutlass.Constexpr[int], pause_ns: cutlass.Constexpr[int]):
+    """Spin until the int32 counter at `count_ptr` (global memory) reaches `count`, `pause_ns`
+    between two loads; the acquire loads (GPU scope) order this thread's later accesses after the
+    release adds that made it. A counter still short after `max_polls` loads means a count that
+    can never come: `trap`."""
+    polls = cutlass.Int32(0)
+    while cute.arch.load(count_ptr, cutlass.Int32, sem="acquire", scope="gpu") < count:
+        nanosleep(pause_ns)
+        polls += 1
+        if polls == max_polls:
+            trap()
+
+
 def _u32_asm(ptx: str, a, b, loc=None, ip=None) -> cutlass.Uint32:
     return cutlass.Uint32(_pure_asm(ptx, T.i32(), [a, b], "=r,r,r", loc, ip, operand_type=cutlass.Uint32))
 

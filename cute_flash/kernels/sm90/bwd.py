@@ -51,7 +51,15 @@ formed in registers and dK/dV are written once, in the input dtype.
    thread stores its accumulator registers in their own order, 128 bits at a time, into a flat
    tile, which goes to a flat accumulator, (batch, head, padded seqlen, d), in one 1-D bulk
    reduce-add (`cp.reduce.async.bulk ... add.f32`); the preprocess clears the accumulator, and an
-   sm_90 postprocess (`bwd_post.py`) puts the rows back in order.
+   sm_90 postprocess (`bwd_post.py`) puts the rows back in order -- or, with `dq_convert` (an
+   A/B option: `bwd_config.py` has its measurements), this kernel itself: the grid ends in one conversion CTA per
+   SM, launched after every key block's, so they take only SMs that no key block is left for.
+   At the end of a key block's CTA, once its reduce-adds are performed, the writer warp adds one
+   to a counter per (batch, query head, query block) of its walk (`count_added`), and each
+   warpgroup of a conversion CTA waits for its query block's count of key blocks
+   (`BlockInfo.n_block_range`, as the deterministic turns count them) before it rounds the block
+   into dQ (`convert_dq`). The conversions of the heads that have finished fill the grid's last
+   wave, where the postprocess kernel would run after it.
    Two smaller ones, per head dim and mask (`bwd_config.py`): `stats_early` reads a block's
    LSE into registers before its S^T GEMM is issued, and `dq_fence_late` hands a dQ tile to the
    writer only after the next block's GEMMs are issued, so that the tile's stores drain meanwhile.
@@ -152,15 +160,19 @@ from ..common.utils import (
     pass_turn,
     store_staged_rows,
     tanhf,
+    wait_for_count,
     wait_for_turn,
 )
 from .bwd_config import (
     LPT_GROUP_CTAS,
     NUM_CONSUMER_WGS,
+    NUM_CONVERT_GROUPS,
     STAT_ALIGN,
     TIMELINE_PHASES,
     Sm90BwdConfig,
+    make_post_config,
 )
+from .bwd_post import FlatDq
 from .fwd import FlashFwdSm90, multicast, tile_coords, tma_view
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a
 
@@ -184,6 +196,11 @@ BARRIER_BOTH = BARRIER_WG + NUM_CONSUMER_WGS
 # writer arrives, consumers wait). With `dq_stages` = 2, one of each per warpgroup and tile, the
 # EMPTY ones after the four FULL ones (`FlashBwdSm90.dq_barrier`).
 BARRIER_DQ_FULL = BARRIER_BOTH + 1
+# `dq_convert`: the counter loads after which a wait means a count that never comes (`wait_for_count` traps)
+CONVERT_MAX_POLLS = 1 << 24
+# ... and the pause between two of them: the polls of every waiting warp stay off the L2, which the
+# key blocks' reduce-adds keep busy
+CONVERT_PAUSE_NS = 500
 
 
 @dataclass(frozen=True)
@@ -238,6 +255,8 @@ class FlashBwdSm90(TimelineCounters):
         self.dtype = element_type(config.dtype)
         self.num_consumer_threads = 128 * NUM_CONSUMER_WGS
         self.cluster_size = 2 if config.cluster_q else 1
+        if config.dq_convert:  # the conversion CTAs read the accumulator as the postprocess of any head dim would
+            self.flat_dq = FlatDq(make_post_config(config, None), self.dtype)
         # the EMPTY barriers of the dQ tiles follow their FULL ones
         self.barrier_dq_empty = BARRIER_DQ_FULL + NUM_CONSUMER_WGS * config.dq_stages
         # `single_dout`: one per consumer warpgroup, arrived at once it is done reading dS^T
@@ -317,9 +336,11 @@ class FlashBwdSm90(TimelineCounters):
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
-        mdQsem: Optional[cute.Tensor],  # int32 (b, h, query blocks) of zeros with `deterministic`
+        mdQsem: Optional[cute.Tensor],  # int32 (b, h, query blocks) of zeros with `deterministic` or `dq_convert`
+        mdQ: Optional[cute.Tensor],  # like mQ, written with `dq_convert`
         num_batch: Int32,
         max_seqlen_k: Int32,
+        num_convert_ctas: Int32,  # `dq_convert`: CTAs after the key blocks' (even with `cluster_q`)
         softmax_scale: Float32,
         softmax_scale_log2: Float32,  # scale * log2(e), or softcap * log2(e) with softcap
         softcap_prescale: Float32,  # scale / softcap (unused without softcap)
@@ -422,11 +443,13 @@ class FlashBwdSm90(TimelineCounters):
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
         grid = [num_n_blocks, num_heads_k, num_batch]
         lpt_heads = cutlass.max(LPT_GROUP_CTAS // num_n_blocks, 1)  # (batch, KV head) pairs per group (`lpt`)
-        if cutlass.const_expr(cfg.lpt):
+        if cutlass.const_expr(cfg.lpt or cfg.dq_convert):
             grid = [num_n_blocks * num_heads_k * num_batch, 1, 1]
+        if cutlass.const_expr(cfg.dq_convert):
+            grid[0] = grid[0] + num_convert_ctas
         self.kernel(
-            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdQsem,
-            mdQaccum if cutlass.const_expr(cfg.dq_flat) else None, num_batch, num_n_blocks, lpt_heads,
+            mQ, mK, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdQsem, mdQ,
+            mdQaccum if cutlass.const_expr(cfg.dq_flat) else None, num_batch, num_n_blocks, lpt_heads, num_convert_ctas,
             tma_Q, tma_mQ, tma_dO, tma_mdO, tma_K, tma_mK, tma_V, tma_mV, tma_LSE, tma_mLSE, tma_D, tma_mD,
             tma_dQ, tma_mdQ, softmax_scale, softmax_scale_log2, softcap_prescale, window_left, window_right,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout, sdQ_layout,
@@ -454,10 +477,12 @@ class FlashBwdSm90(TimelineCounters):
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mdQsem: Optional[cute.Tensor],
+        mdQ: Optional[cute.Tensor],
         mdQflat: Optional[cute.Tensor],
         num_batch: Int32,
         num_n_blocks: Int32,
         lpt_heads: Int32,
+        num_convert_ctas: Int32,
         tma_Q: cute.CopyAtom,
         tma_mQ: cute.Tensor,
         tma_dO: cute.CopyAtom,
@@ -542,13 +567,20 @@ class FlashBwdSm90(TimelineCounters):
         num_heads = mQ.shape[1] if cutlass.const_expr(cfg.varlen_q) else mQ.shape[2]
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
         group = num_heads // num_heads_k
+        key_ctas = num_n_blocks * num_heads_k * num_batch
+        cta = cute.arch.block_idx()[0]
+        if cutlass.const_expr(cfg.dq_convert):
+            cta = cutlass.min(cta, key_ctas - 1)  # a conversion CTA: any key block's coordinates, unused
         if cutlass.const_expr(cfg.lpt):
             # causal: key block 0 meets every query block, so the forward's tile order, not
             # reversed, is longest first; `shortest_first` reverses it
             n_block, head_k, batch = tile_coords(
-                cute.arch.block_idx()[0], num_n_blocks, num_heads_k, num_batch, lpt_heads, cfg.shortest_first,
-                cutlass.min,
+                cta, num_n_blocks, num_heads_k, num_batch, lpt_heads, cfg.shortest_first, cutlass.min,
             )
+        elif cutlass.const_expr(cfg.dq_convert):  # the 3-D grid's order, on one axis
+            n_block = cta % num_n_blocks
+            head_k = (cta // num_n_blocks) % num_heads_k
+            batch = cta // (num_n_blocks * num_heads_k)
         else:
             n_block, head_k, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
@@ -567,7 +599,15 @@ class FlashBwdSm90(TimelineCounters):
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_size, 1))
         # A CTA past the end of its (varlen) key sequence has nothing to do; all its threads leave.
-        if n_block * cfg.tile_n < seqlen.seqlen_k:
+        has_keys = n_block * cfg.tile_n < seqlen.seqlen_k
+        if cutlass.const_expr(cfg.dq_convert):
+            convert_cta = cute.arch.block_idx()[0] - key_ctas
+            if convert_cta >= 0:
+                self.convert_dq(mdQflat, mdQ, mdQsem, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, tiled_mma_dQ,
+                                num_batch, num_heads, convert_cta, num_convert_ctas, softmax_scale, window_left,
+                                window_right, tidx)
+            has_keys = has_keys & (convert_cta < 0)
+        if has_keys:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(cfg.registers[1])
                 if warp_idx == 0 and m_steps > 0:
@@ -706,6 +746,69 @@ class FlashBwdSm90(TimelineCounters):
                     cute.arch.barrier_arrive(barrier_id=self.dq_barrier(self.barrier_dq_empty, w, buf),
                                              number_of_threads=writer_and_wg)
         cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
+        if cutlass.const_expr(cfg.dq_convert):
+            self.count_added(mdQsem, batch, walk)
+
+    @cute.jit
+    def count_added(self, mdQcount: cute.Tensor, batch, walk: QueryWalk):
+        """`dq_convert`: every step's dQ tiles are added (the reduce-adds, issued by lane 0, are
+        performed); one more on the counter of each step's (batch, query head, query block), by
+        release adds (GPU scope) of the writer warp's lanes, 32 steps at a time. Once per CTA, at
+        its end, off the writer's path between steps (a count after every step measured slower,
+        `Sm90BwdConfig.dq_convert`); the conversion CTAs run in the grid's last wave, when most
+        heads are whole anyway."""
+        lane = cute.arch.lane_idx()
+        if lane == 0:
+            cute.arch.fence_proxy("async.global")
+        cute.arch.sync_warp()  # lane 0's writes before every lane's release
+        for it in cutlass.range(lane, walk.steps, 32, unroll=1):
+            head, m_block = walk.coords(it)
+            cute.arch.atomic_add(elem_pointer(mdQcount, (batch, head, m_block)), Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def convert_dq(self, mdQflat: cute.Tensor, mdQ: cute.Tensor, mdQcount: cute.Tensor, mQ, mK, mCuSeqlensQ,
+                   mCuSeqlensK, mSeqUsedK, tiled_mma_dQ: cute.TiledMma, num_batch, num_heads, cta,
+                   num_convert_ctas, softmax_scale: Float32, window_left, window_right, tidx):
+        """`dq_convert`: each warpgroup of conversion CTA `cta` (of `num_convert_ctas`) takes every
+        `NUM_CONVERT_GROUPS * num_convert_ctas`-th chunk of the flat accumulator (`dq_chunks` per
+        query block), in (batch, head, query block) order -- the order in which the key blocks'
+        CTAs are launched and mostly finish them. For each, its threads wait (acquire) until every
+        key block that sees the query block (`BlockInfo.n_block_range`; none for rows no key is
+        visible to, whose cleared floats give dQ = 0) has added into it, then read their floats
+        back as the postprocess kernel does and store each rounded pair of columns straight to
+        mdQ: no shared memory, no barrier, one chunk's loads in flight per warpgroup."""
+        cfg = self.cfg
+        group, t = tidx // 128, tidx % 128
+        num_m_blocks = (mQ.shape[1] + cfg.tile_m - 1) // cfg.tile_m
+        per_batch = num_heads * num_m_blocks
+        headdim = mdQ.shape[3]
+        pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                         num_bits_per_copy=2 * self.dtype.width)
+        stride = NUM_CONVERT_GROUPS * num_convert_ctas
+        for item in cutlass.range(cta * NUM_CONVERT_GROUPS + group, num_batch * per_batch * cfg.dq_chunks, stride,
+                                  unroll=1):
+            j, chunk_idx = item // cfg.dq_chunks, item % cfg.dq_chunks
+            batch = j // per_batch
+            head = (j % per_batch) // num_m_blocks
+            m_block = j % num_m_blocks
+            seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+            left, right = effective_window(seqlen, window_left, window_right, cfg.local)
+            if cutlass.const_expr(cfg.causal):
+                right = Int32(0)
+            n_block_min, n_block_max = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left,
+                                                 right).n_block_range(seqlen, m_block)
+            wait_for_count(elem_pointer(mdQcount, (batch, head, m_block)), n_block_max - n_block_min,
+                           CONVERT_MAX_POLLS, CONVERT_PAUSE_NS)
+            rows = seqlen.seqlen_q - m_block * cfg.tile_m
+            gdQ = cute.local_tile(mdQ[batch, None, head, None], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+
+            def store(row, col, pair):
+                if (row < rows) & (col < headdim):
+                    addr = (gdQ.iterator + cute.crd2idx((row, col), gdQ.layout)).toint()
+                    dst = cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=4)
+                    cute.copy(pair_store, pair, cute.make_tensor(dst, cute.make_layout(2)))
+
+            self.flat_dq.rounded_pairs(mdQflat, batch, head, m_block, chunk_idx, t, softmax_scale, tiled_mma_dQ, store)
 
     @cute.jit
     def reduce_add_dq(self, tma_dQ, tma_mdQ, sdQ_wg, seqlen: SeqlenInfo, batch, head, m_block, wg_idx):

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from ..common.tiles import SM90_STATIC_SMEM_BYTES, align_up, check_attention_config, pad_headdim
 
@@ -56,6 +56,8 @@ SPLIT_HEADDIMS = (64, 128, 192, 256)
 DTYPES = ("float16", "bfloat16")
 SMEM_LIMIT = 227 * 1024
 NUM_CONSUMER_WGS = 2
+# `Sm90BwdConfig.dq_convert`: the warpgroups of a conversion CTA, each converting chunks of dQ on its own
+NUM_CONVERT_GROUPS = NUM_CONSUMER_WGS + 1
 # setmaxnreg budgets (consumer, producer): 128 * (24 + 2 * 240) <= 64K registers of an SM
 REGISTERS = (240, 24)
 # `Sm90BwdConfig.timeline`: the phases of a step whose clock cycles a profiling build counts
@@ -295,6 +297,23 @@ class Sm90BwdConfig:
     # against 1.213-1.320 swapped; hd192 1.361-1.403 against 1.385-1.576; hd96, unswapped before,
     # 1.365-1.408 against 1.439-1.451).
     dq_flat: bool = False
+    # The postprocess inside the main kernel (`dq_flat` only, not deterministic; an A/B option that
+    # make_config does not set, below): the grid gets `num_convert_ctas` CTAs more, launched after every
+    # key block's, which turn the query blocks of the flat accumulator into dQ once every key
+    # block that sees one has added into it. At the end of its CTA the dQ writer warp counts its
+    # added tiles into a counter per (batch, query head, query block) (release adds, once they are
+    # performed); a conversion CTA waits (acquire) for the count `BlockInfo.n_block_range` gives
+    # and rounds the block as the postprocess kernel would (`bwd_post.FlatDq`). They take only
+    # SMs that no key block is left for, so the conversions of the finished heads fill the grid's
+    # last wave instead of a launch of their own. Its first form, a count after every step (a proxy
+    # fence and a release add on the writer warp's path each step) and polls back to back, passed
+    # `tests/gpu/test_bwd_sm90.py` on an H200 with it on by default (424 tests) but ran slower than
+    # the postprocess kernel (bf16, `benchmarks/ab_sm90_bwd.py --rounds 5`, ms, in kernel /
+    # postprocess kernel, best rounds): 8 x 2048 hd128 causal 0.802 / 0.721, no mask 1.378 / 1.274,
+    # hd64 causal 0.941 / 0.870, no mask 1.514 / 1.447; 2 x 4096 hd128 1.235 / 1.181, causal 0.656
+    # / 0.639, hd64 1.381 / 1.364, causal 0.766 / 0.740. This form (one count per CTA at its end,
+    # polls 500 ns apart) compiles without spills and is untimed and not yet run on a GPU.
+    dq_convert: bool = False
     # A profiling build (`benchmarks/bwd_timeline.py`; `make_config` never sets it): each CTA
     # writes a record over the first row of its dK tile, which is then no gradient. As int32s:
     # 0 the SM, 1 the steps (query blocks), 2-7 the low 32 bits of the global nanosecond timer at
@@ -381,6 +400,8 @@ class Sm90BwdConfig:
             raise ValueError("dq_fence_late needs dq_writer")
         if self.dq_flat and (not self.dq_writer or self.varlen_q or self.dq_swap):
             raise ValueError("dq_flat needs dq_writer and takes no varlen_q or dq_swap")
+        if self.dq_convert and (not self.dq_flat or self.deterministic):
+            raise ValueError("dq_convert needs dq_flat and excludes deterministic")
         if self.dq_stages not in (1, 2) or (self.dq_stages == 2 and not self.dq_writer):
             raise ValueError(f"dq_stages must be 1, or 2 with dq_writer; got {self.dq_stages}")
         if self.cluster_q and not self.pairs_key_blocks:
@@ -493,8 +514,8 @@ class Sm90BwdConfig:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "keys_n", "single_dout", "dq_swap", "dq_flat", "timeline", "cluster_q", "rotate_queries",
-                             "deterministic") if getattr(self, f)]
+                             "keys_n", "single_dout", "dq_swap", "dq_flat", "dq_convert", "timeline", "cluster_q",
+                             "rotate_queries", "deterministic") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -581,6 +602,7 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     # the row-major tile's swap is asked for
     flat = fields.setdefault("dq_flat", fields["dq_writer"] and not fields.get("varlen_q", False)
                              and not fields.get("dq_swap", False))
+    fields.setdefault("dq_convert", False)
     if not swap_asked:
         # not where it measured slower, on rotated walks and on the 96-key tile without a mask
         # (`dq_swap`); its pairs of 16-column halves need 32-column dQ tiles: not head dim 96's 48
@@ -658,6 +680,10 @@ def shipped_configs() -> list:
     configs += [dataclasses.replace(make_config("bfloat16", 64, 64, softcap=True), cluster_q=True)]
     # the row-major dQ tile of fixed-length calls before `dq_flat`, for A/B
     configs += [make_config("bfloat16", d, d, dq_flat=False) for d in (64, 128, 192)]
+    # the postprocess inside the main kernel (`dq_convert`), for A/B, on every tile, masked or not
+    configs += [make_config("bfloat16", d, d, dq_convert=True, **mask) for d in TILE_HEADDIMS
+                for mask in ({}, {"causal": True})]
+    configs += [make_config("bfloat16", 128, 128, local=True, softcap=True, seqused_k=True, dq_convert=True)]
     # the masked path by a comparison per pair instead of bit masks, for A/B (at head dim 128,
     # whose registers are the tightest)
     configs += [make_config("bfloat16", 128, 128, causal=True, mask_bits=False)]
@@ -697,9 +723,11 @@ def fake_arguments(config: Sm90BwdConfig) -> tuple:
         fake_tokens(dtype, config.varlen_k, 8),  # dk
         fake_tokens(dtype, config.varlen_k, 8),  # dv
         *fake_sequence_vectors(config),
-        fake_tensor(cutlass.Int32, 3) if config.deterministic else None,  # dq_semaphore
+        fake_tensor(cutlass.Int32, 3) if config.deterministic or config.dq_convert else None,  # dq_semaphore / count
+        fake_tokens(dtype, False, 8) if config.dq_convert else None,  # dq
         cutlass.Int32(1),  # num_batch
         cutlass.Int32(1),  # max_seqlen_k
+        cutlass.Int32(2),  # num_convert_ctas
         cutlass.Float32(1.0),  # softmax_scale
         cutlass.Float32(1.0),  # softmax_scale_log2
         cutlass.Float32(1.0),  # softcap_prescale
@@ -746,8 +774,9 @@ class Sm90BwdPostConfig:
                         + flags)
 
 
-def make_post_config(main: Sm90BwdConfig, head_dim: int) -> Sm90BwdPostConfig:
-    """The postprocess of a `dq_flat` main configuration, for Q's actual head dim."""
+def make_post_config(main: Sm90BwdConfig, head_dim: Optional[int]) -> Sm90BwdPostConfig:
+    """The postprocess of a `dq_flat` main configuration, for Q's actual head dim (None: any, checked
+    at run time; `dq_convert`'s conversion CTAs)."""
     return Sm90BwdPostConfig(main.dtype, main.head_dim, head_dim != main.head_dim, main.tile_m, main.dq_cols,
                              main.dq_rows_per_wg, main.dq_split, main.dq_rows)
 

@@ -60,35 +60,20 @@ class FlashBwdPostSm90:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        chunk_idx, t = tidx // 128, tidx % 128
         rows = mdQ.shape[1] - m_block * cfg.tile_m
         headdim = mdQ.shape[3]
-        chunk = cfg.dq_rows_per_wg * cfg.dq_cols
         sdQ = cutlass.memory.SmemAllocator().allocate_tensor(
             self.dtype, cute.make_layout((cfg.tile_m, cfg.head_dim), stride=(cfg.head_dim + PAD, 1)), 16
         )
-        gAcc = cute.local_tile(mdQaccum[batch, head, None, None], (cfg.tile_m, cfg.head_dim), (m_block, 0))
-        base = gAcc.iterator.toint() + (chunk_idx * chunk + t * 4) * 4  # bytes
-        # (row, column) of each accumulator value of thread t inside its warpgroup's tile
-        cD = tiled_mma.get_slice(t).partition_C(cute.make_identity_tensor((cfg.dq_rows_per_wg, cfg.dq_cols)))
-        row0 = chunk_idx * cfg.dq_rows_per_wg if cutlass.const_expr(cfg.dq_rows) else 0
-        col0 = chunk_idx * cfg.dq_cols if cutlass.const_expr(cfg.dq_split) else 0
-        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width)
-        for i in cutlass.range_constexpr(cute.size(cD) // 4):
-            vals = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            src = cute.make_ptr(Float32, base + i * 128 * 16, cute.AddressSpace.gmem, assumed_align=16)
-            cute.copy(load, cute.make_tensor(src, cute.make_layout(4)), vals)
-            for p in cutlass.range_constexpr(2):  # the two column pairs of the group (rows r, r + 8)
-                row, col = cD[4 * i + 2 * p]
-                pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                for v in cutlass.range_constexpr(2):
-                    pair[v] = vals[2 * p + v] * softmax_scale
-                out = cute.make_rmem_tensor(cute.make_layout(2), self.dtype)
-                out.store(pair.load().to(self.dtype))
-                addr = (sdQ.iterator + cute.crd2idx((row + row0, col + col0), sdQ.layout)).toint()
-                dst = cute.make_ptr(self.dtype, addr, cute.AddressSpace.smem, assumed_align=4)
-                cute.copy(pair_store, out, cute.make_tensor(dst, cute.make_layout(2)))
+
+        def stage(row, col, out):
+            addr = (sdQ.iterator + cute.crd2idx((row, col), sdQ.layout)).toint()
+            dst = cute.make_ptr(self.dtype, addr, cute.AddressSpace.smem, assumed_align=4)
+            cute.copy(pair_store, out, cute.make_tensor(dst, cute.make_layout(2)))
+
+        FlatDq(cfg, self.dtype).rounded_pairs(mdQaccum, batch, head, m_block, tidx // 128, tidx % 128, softmax_scale,
+                                              tiled_mma, stage)
         cute.arch.barrier()
         # the tile's rows to dQ, 128 bits per thread and step
         vec = 128 // self.dtype.width
@@ -110,3 +95,41 @@ class FlashBwdPostSm90:
                 g_addr = (gdQ.iterator + cute.crd2idx((row, v * vec), gdQ.layout)).toint()
                 g_ptr = cute.make_ptr(self.dtype, g_addr, cute.AddressSpace.gmem, assumed_align=16)
                 cute.copy(copy16, frag, cute.make_tensor(g_ptr, cute.make_layout(vec)))
+
+
+class FlatDq:
+    """Reading a flat dQ accumulator back (`cfg`: an `Sm90BwdPostConfig`): for this kernel, and for
+    the conversion CTAs of a main kernel with `Sm90BwdConfig.dq_convert`, which store each pair
+    straight to dQ."""
+
+    def __init__(self, cfg, dtype):
+        self.cfg = cfg
+        self.dtype = dtype
+
+    @cute.jit
+    def rounded_pairs(self, mdQaccum: cute.Tensor, batch, head, m_block, chunk_idx, t, softmax_scale: Float32,
+                      tiled_mma: cute.TiledMma, store):
+        """Thread `t` (of 128) of chunk `chunk_idx` of query block `m_block` of (batch, head): its
+        value groups, 128 bits per load, scaled and rounded to pairs of columns; `store(row, col,
+        pair)` for each, (row, col) in the block (a trace-time callback)."""
+        cfg = self.cfg
+        chunk = cfg.dq_rows_per_wg * cfg.dq_cols
+        gAcc = cute.local_tile(mdQaccum[batch, head, None, None], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        base = gAcc.iterator.toint() + (chunk_idx * chunk + t * 4) * 4  # bytes
+        # (row, column) of each accumulator value of thread t inside its warpgroup's tile
+        cD = tiled_mma.get_slice(t).partition_C(cute.make_identity_tensor((cfg.dq_rows_per_wg, cfg.dq_cols)))
+        row0 = chunk_idx * cfg.dq_rows_per_wg if cutlass.const_expr(cfg.dq_rows) else 0
+        col0 = chunk_idx * cfg.dq_cols if cutlass.const_expr(cfg.dq_split) else 0
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        for i in cutlass.range_constexpr(cute.size(cD) // 4):
+            vals = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            src = cute.make_ptr(Float32, base + i * 128 * 16, cute.AddressSpace.gmem, assumed_align=16)
+            cute.copy(load, cute.make_tensor(src, cute.make_layout(4)), vals)
+            for p in cutlass.range_constexpr(2):  # the two column pairs of the group (rows r, r + 8)
+                row, col = cD[4 * i + 2 * p]
+                pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                for v in cutlass.range_constexpr(2):
+                    pair[v] = vals[2 * p + v] * softmax_scale
+                out = cute.make_rmem_tensor(cute.make_layout(2), self.dtype)
+                out.store(pair.load().to(self.dtype))
+                store(row + row0, col + col0, out)
