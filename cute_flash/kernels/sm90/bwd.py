@@ -52,8 +52,9 @@ formed in registers and dK/dV are written once, in the input dtype.
    tile, which goes to a flat accumulator, (batch, head, padded seqlen, d), in one 1-D bulk
    reduce-add (`cp.reduce.async.bulk ... add.f32`); the preprocess clears the accumulator, and an
    sm_90 postprocess (`bwd_post.py`) puts the rows back in order -- or, with `dq_convert` (an
-   A/B option: `bwd_config.py` has its measurements), this kernel itself: the grid ends in one conversion CTA per
-   SM, launched after every key block's, so they take only SMs that no key block is left for.
+   A/B option: `bwd_config.py` has its measurements), this kernel itself: the grid ends in one
+   conversion CTA per SM, launched after every key block's, so they take only SMs that no key
+   block is left for.
    At the end of a key block's CTA, once its reduce-adds are performed, the writer warp adds one
    to a counter per (batch, query head, query block) of its walk (`count_added`), and each
    warpgroup of a conversion CTA waits for its query block's count of key blocks
@@ -584,10 +585,7 @@ class FlashBwdSm90(TimelineCounters):
         else:
             n_block, head_k, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-        left, right = effective_window(seqlen, window_left, window_right, cfg.local)
-        if cutlass.const_expr(cfg.causal):
-            right = Int32(0)
-        block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
+        left, right, block_info = self.visibility(seqlen, window_left, window_right)
         m_block_min, m_block_max = block_info.m_block_range(seqlen, n_block)
         m_steps = cutlass.max(m_block_max - m_block_min, 0)
         m_rot = None  # every walk from the first query block
@@ -749,6 +747,16 @@ class FlashBwdSm90(TimelineCounters):
         if cutlass.const_expr(cfg.dq_convert):
             self.count_added(mdQsem, batch, walk)
 
+    def visibility(self, seqlen: SeqlenInfo, window_left, window_right) -> tuple:
+        """(left, right, BlockInfo) of a (batch)'s sequences: the window's effective sides, right 0
+        with a causal mask, and the block ranges they give on this tile; the key blocks' CTAs and the
+        conversion CTAs (`dq_convert`) count the same blocks from them."""
+        cfg = self.cfg
+        left, right = effective_window(seqlen, window_left, window_right, cfg.local)
+        if cfg.causal:
+            right = Int32(0)
+        return left, right, BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
+
     @cute.jit
     def count_added(self, mdQcount: cute.Tensor, batch, walk: QueryWalk):
         """`dq_convert`: every step's dQ tiles are added (the reduce-adds, issued by lane 0, are
@@ -792,11 +800,8 @@ class FlashBwdSm90(TimelineCounters):
             head = (j % per_batch) // num_m_blocks
             m_block = j % num_m_blocks
             seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-            left, right = effective_window(seqlen, window_left, window_right, cfg.local)
-            if cutlass.const_expr(cfg.causal):
-                right = Int32(0)
-            n_block_min, n_block_max = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left,
-                                                 right).n_block_range(seqlen, m_block)
+            block_info = self.visibility(seqlen, window_left, window_right)[2]
+            n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
             wait_for_count(elem_pointer(mdQcount, (batch, head, m_block)), n_block_max - n_block_min,
                            CONVERT_MAX_POLLS, CONVERT_PAUSE_NS)
             rows = seqlen.seqlen_q - m_block * cfg.tile_m
