@@ -449,3 +449,46 @@ def test_sm90_keep_vote_shortens_the_key_block_loop_without_spills(headdim, caus
         if config.keep_vote:
             assert any("VOTE.ALL" in inst for inst in body)
     assert shortest[True] < shortest[False], shortest
+
+
+def test_sm90_rowsum_mma_is_opt_in_and_counts_its_shared_memory():
+    """`rowsum_mma` (the rows' sums by a GEMM of P times ones) is an A/B option that `make_config`
+    never sets, named in the kernel's name; its block of ones takes a 1024-byte region, and it
+    reads P from registers, so it takes no `p_in_smem`, and sums it in 16 bits, so it writes no LSE."""
+    for headdim in fc.TILE_HEADDIMS:
+        for causal in (False, True):
+            shipped = fc.make_config("bfloat16", headdim, headdim, causal=causal)
+            assert not shipped.rowsum_mma
+            sums = replace(shipped, rowsum_mma=True, has_lse=False)
+            assert sums.smem_bytes - shipped.smem_bytes == 1024 and sums.name.endswith("_summma")
+    no_lse = fc.make_config("bfloat16", 64, 64, has_lse=False)
+    for wrong in ({"p_in_smem": True}, {"has_lse": True}):
+        with pytest.raises(ValueError, match="rowsum_mma"):
+            replace(no_lse, rowsum_mma=True, **wrong)
+
+
+@pytest.mark.parametrize("headdim,causal", [(64, False), (64, True), (128, False), (256, True)])
+def test_sm90_rowsum_mma_sums_rows_by_hgmma_instead_of_fadds(headdim, causal, tmp_path):
+    """With `rowsum_mma` each P·V group also issues tile_n / 16 m64n8k16 HGMMAs (P times the block
+    of ones) and the exponentials add nothing: the key-block loop's FADDs are gone, and its
+    shortest path is shorter. No spills or serialized WGMMAs (head dim 64 with the half blocks
+    when causal)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import loop_sass
+
+    shipped = fc.make_config("bfloat16", headdim, headdim, causal=causal, has_lse=False)
+    loops = {}
+    for config in (shipped, replace(shipped, rowsum_mma=True)):
+        sums_gemms = config.tile_n // 16 if config.rowsum_mma else 0
+        sass = _clean_sass(config, tmp_path)
+        # (an empty WGMMA group, as in the half blocks' path that sees no key, is an HGMMA.64x8x16.F16
+        # of RZ; the sums' accumulate in F32)
+        assert ("HGMMA.64x8x16.F32" in sass) == config.rowsum_mma, config.name
+        body, paths = loop_sass.analyse(sass, loop_sass.gemm_count(config) + sums_gemms)
+        counts = loop_sass.mix(body)
+        assert counts["HGMMA.64x8x16"] == sums_gemms, (config.name, counts)
+        loops[config.rowsum_mma] = (counts["FADD"], min(paths))
+    assert loops[True][0] * 8 < loops[False][0] and loops[True][1] < loops[False][1], loops
