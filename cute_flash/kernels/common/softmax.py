@@ -227,6 +227,7 @@ class OnlineSoftmax:
 
     @cute.jit
     def rescale_rows(self, acc_O: cute.Tensor, correction: cute.Tensor):
+        """O's rows, and with `mma_sums` the sums' accumulator (the same rows), times their factors."""
         OnlineSoftmax.rescale_O(acc_O, correction)
         if cutlass.const_expr(self.mma_sums):
             OnlineSoftmax.rescale_O(self.row_sum, correction)
