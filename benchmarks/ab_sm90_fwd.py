@@ -59,10 +59,6 @@ Cases: bf16, head dims 64 / 96 / 128 / 192 / 256, causal and not, batch x seqlen
   `persist` (`persistent=True`: one CTA per SM walking the tiles) where it is not, and, with a
   causal mask, `stride` (persistent CTAs taking the tiles by a fixed stride instead of from the
   tile counter);
-* at every head dim: `nolse` (`has_lse=False`: no LSE written, as a call that does not ask
-  for it could run) and `summma` (`rowsum_mma`, which takes no LSE: the rows' sums by a GEMM of
-  P times a block of ones in each P·V group instead of one FADD per exponential), and `cluster
-  nolse` / `cluster summma` where the `cluster` variant is (checked on out only);
 * `fa4`: `flash_attn.cute.interface.flash_attn_func`, when importable (timed, not checked).
 
 As in `tune_tiles.py`, a variant is first checked against the float32 reference (out by the
@@ -184,12 +180,6 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
                                         masked_halves=shipped.masked_halves and n == 128))]
             elif fits(on_grid(shipped), tile_n=n, p_in_smem=True):
                 out += [(f"n{n} psmem grid", replace(on_grid(shipped), tile_n=n, p_in_smem=True))]
-    # without the LSE, and so with the rows' sums by the tensor cores (P times ones) instead of
-    # FADDs; also on the K/V clusters
-    out += [("nolse", replace(shipped, has_lse=False)), ("summma", replace(shipped, rowsum_mma=True, has_lse=False))]
-    if shipped.pairs_query_blocks and shipped.tile_n >= 80:
-        out += [("cluster nolse", replace(shipped, cluster_kv=True, has_lse=False)),
-                ("cluster summma", replace(shipped, cluster_kv=True, rowsum_mma=True, has_lse=False))]
     return out if only is None else out[:1] + [(label, c) for label, c in out[1:] if label in only]
 
 
@@ -264,9 +254,8 @@ def check_problems(d: int, causal: bool, dtype):
     return [(name, *(t.to(dtype) for t in (q, k, v))) for name, q, k, v in out]
 
 
-def check(run, problems, attn_args, dtype, has_lse: bool = True) -> str | None:
-    """None if `run` matches the reference on every problem (its LSE too where `has_lse`), else
-    what went wrong."""
+def check(run, problems, attn_args, dtype) -> str | None:
+    """None if `run` matches the reference on every problem, else what went wrong."""
     import torch
 
     from bench_lib import within_tolerance
@@ -284,8 +273,6 @@ def check(run, problems, attn_args, dtype, has_lse: bool = True) -> str | None:
         passed, err, bound = within_tolerance(out, ref, ref_torch, dtype)
         if not passed:
             return f"{name}: out error {err:.3g} > {bound:.3g}"
-        if not has_lse:
-            continue
         finite = torch.isfinite(ref_lse)
         if not torch.equal(torch.isfinite(lse), finite) or (lse[~finite] != -math.inf).any():
             return f"{name}: LSE not -inf exactly where the row sees no key"
@@ -334,10 +321,9 @@ def on_gpu(cases, args) -> None:
                 fn = backend.cache.get(config, backend.arch())[0]
 
                 def run(q_, k_, v_, out_, lse_, a_, fn=fn, config=config):
-                    backend.launch(fn, q_, k_, v_, out_, lse_ if config.has_lse else None, a_, ka,
-                                   extra=backend.launch_extra(config, q_, k_, a_, ka))
+                    backend.launch(fn, q_, k_, v_, out_, lse_, a_, ka, extra=backend.launch_extra(config, q_, k_, a_, ka))
 
-                wrong = check(run, problems, attn_args, dtype, config.has_lse)
+                wrong = check(run, problems, attn_args, dtype)
                 if wrong:
                     cells[label] = f"{label} WRONG ({wrong})"
                     continue

@@ -21,12 +21,6 @@ grows, so a warp tests its lanes' own maxima and votes. When every row of the wa
 quad shuffles, the factor and the selects are skipped: the factors are 1 and the exponentials
 use the kept reference, as the full path would (bitwise the same). Otherwise the warp takes the
 full path.
-
-Sums by MMA (`mma_sums`, the sm_90 forward's `Sm90FwdConfig.rowsum_mma`): the caller adds each
-block's 16-bit P into a GEMM against a column block of ones, whose accumulator is then the rows'
-sums (every column of it the whole row's, so no quad shuffle either) and stands in `row_sum`.
-The exponentials then add nothing; the rescale multiplies that accumulator with O, and
-`finalize` reads it.
 """
 
 from __future__ import annotations
@@ -55,27 +49,20 @@ def rescale_factor(prev_max: Float32, ref_max: Float32, scale_log2: Float32) -> 
 class OnlineSoftmax:
     scale_log2: Float32
     row_max: cute.Tensor  # per thread row, already reduced over the quad: the exp reference
-    row_sum: cute.Tensor  # per thread row, partial over this thread's columns (or, `mma_sums`, see below)
+    row_sum: cute.Tensor  # per thread row, partial over this thread's columns
     rescale_threshold: cutlass.Constexpr[float] = 0.0  # > 0: lazy rescale (module docstring)
     # With the lazy rescale: a warp first votes on whether every row of it keeps its reference
     # (`probs`), and skips the rows' shuffles and selects when they all do
     keep_vote: cutlass.Constexpr[bool] = False
-    # `row_sum` is the mma.sync view of an accumulator of P times a block of ones, which the
-    # caller's GEMMs fill (module docstring): the exponentials add nothing into it
-    mma_sums: cutlass.Constexpr[bool] = False
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0,
-               keep_vote: bool = False, mma_sums=None) -> "OnlineSoftmax":
-        """`mma_sums`: the (zeroed) accumulator, in mma.sync form, of P times ones, whose columns
-        are the rows' sums; None: the exponentials sum the rows themselves."""
+               keep_vote: bool = False) -> "OnlineSoftmax":
         if keep_vote and not rescale_threshold > 0.0:
             raise ValueError("keep_vote skips the lazy rescale's bookkeeping: it needs a rescale_threshold")
         row_max = cute.make_rmem_tensor(num_rows, Float32)
-        row_max.fill(-Float32.inf)
-        if mma_sums is not None:
-            return OnlineSoftmax(scale_log2, row_max, mma_sums, rescale_threshold, keep_vote, True)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         return OnlineSoftmax(scale_log2, row_max, row_sum, rescale_threshold, keep_vote)
 
@@ -133,9 +120,7 @@ class OnlineSoftmax:
                 self.exp_span(acc_S_mn, refs, 0, in_branches)
             else:
                 for r in cutlass.range_constexpr(num_rows):
-                    refs[r], row_sum = self.quad_row(r, lane_max[r], correction, is_first)
-                    if cutlass.const_expr(not self.mma_sums):
-                        self.row_sum[r] = row_sum
+                    refs[r], self.row_sum[r] = self.quad_row(r, lane_max[r], correction, is_first)
                 if cutlass.const_expr(moved is not None):
                     moved()
                 self.exp_span(acc_S_mn, refs, 0, in_branches)
@@ -146,9 +131,7 @@ class OnlineSoftmax:
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 lane_max = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
                 ref, row_sum = self.quad_row(r, lane_max, correction, is_first)
-                row_sum = self.exp_row(acc_S_mn, r, ref, row_sum)
-                if cutlass.const_expr(not self.mma_sums):
-                    self.row_sum[r] = row_sum
+                self.row_sum[r] = self.exp_row(acc_S_mn, r, ref, row_sum)
             if cutlass.const_expr(midway is not None):
                 midway()
 
@@ -159,8 +142,7 @@ class OnlineSoftmax:
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
             p = exp2f(acc_S_mn[r, c] * self.scale_log2 - ref)
             acc_S_mn[r, c] = p
-            if cutlass.const_expr(not self.mma_sums):
-                row_sum += p
+            row_sum += p
         return row_sum
 
     @cute.jit
@@ -174,8 +156,7 @@ class OnlineSoftmax:
                 if cutlass.const_expr(start <= r * num_cols + c < stop):
                     p = exp2f(acc_S_mn[r, c] * self.scale_log2 - refs[r])
                     acc_S_mn[r, c] = p
-                    if cutlass.const_expr(not self.mma_sums):
-                        self.row_sum[r] = self.row_sum[r] + p
+                    self.row_sum[r] = self.row_sum[r] + p
 
     @cute.jit
     def quad_row(self, r: cutlass.Constexpr[int], lane_max: Float32, correction: cute.Tensor,
@@ -205,32 +186,18 @@ class OnlineSoftmax:
                 unit = keep | (prev_max == -Float32.inf)
                 factor = Float32(1.0) if unit else factor
             correction[r] = factor
-            if cutlass.const_expr(not self.mma_sums):
-                row_sum = self.row_sum[r] * factor
+            row_sum = self.row_sum[r] * factor
         self.row_max[r] = new_max
         return ref, row_sum
 
     @cute.jit
     def rescale(self, acc_O: cute.Tensor, correction: cute.Tensor):
-        """O *= the factors `probs` left in `correction` (and so, with `mma_sums`, the sums'
-        accumulator); with the lazy rescale a warp skips it when no row of it has a factor other
-        than 1, which is most blocks: the vote makes the branch warp-uniform, and each warp owns
-        its rows of acc_O."""
+        """O *= the factors `probs` left in `correction`: `rescale_O`, or with the lazy rescale
+        `rescale_O_unless_unit` (most blocks then keep every row's reference)."""
         if cutlass.const_expr(self.rescale_threshold > 0.0):
-            needed = correction[0] != 1.0
-            for r in cutlass.range_constexpr(1, cute.size(correction)):
-                needed = needed | (correction[r] != 1.0)
-            if cute.arch.vote_any_sync(needed):
-                self.rescale_rows(acc_O, correction)
+            OnlineSoftmax.rescale_O_unless_unit(acc_O, correction)
         else:
-            self.rescale_rows(acc_O, correction)
-
-    @cute.jit
-    def rescale_rows(self, acc_O: cute.Tensor, correction: cute.Tensor):
-        """O's rows, and with `mma_sums` the sums' accumulator (the same rows), times their factors."""
-        OnlineSoftmax.rescale_O(acc_O, correction)
-        if cutlass.const_expr(self.mma_sums):
-            OnlineSoftmax.rescale_O(self.row_sum, correction)
+            OnlineSoftmax.rescale_O(acc_O, correction)
 
     @staticmethod
     @cute.jit
@@ -241,15 +208,26 @@ class OnlineSoftmax:
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * correction[r]
 
+    @staticmethod
+    @cute.jit
+    def rescale_O_unless_unit(acc_O: cute.Tensor, correction: cute.Tensor):
+        """`rescale_O`, skipped by the whole warp when no row of it has a factor other than 1.
+
+        Worth it with the lazy rescale, where most blocks keep every row's reference: the vote
+        makes the branch warp-uniform, and each warp owns its rows of acc_O.
+        """
+        needed = correction[0] != 1.0
+        for r in cutlass.range_constexpr(1, cute.size(correction)):
+            needed = needed | (correction[r] != 1.0)
+        if cute.arch.vote_any_sync(needed):
+            OnlineSoftmax.rescale_O(acc_O, correction)
+
     @cute.jit
     def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
         """Normalise acc_O by the row sums and write the natural-log LSE of each row into `lse`."""
         acc_O_mn = acc_mn_view(acc_O)
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-            if cutlass.const_expr(self.mma_sums):
-                total = acc_mn_view(self.row_sum)[r, 0]  # every column holds the whole row's sum
-            else:
-                total = quad_allreduce(self.row_sum[r], fadd)
+            total = quad_allreduce(self.row_sum[r], fadd)
             empty = total == 0.0
             # NaN inputs give a NaN sum and stay NaN; only the all-masked row is special
             inv = 0.0 if empty else 1.0 / total

@@ -95,7 +95,7 @@ from ..common.softmax import OnlineSoftmax
 from ..common.tiles import LAZY_RESCALE_LOG2
 from ..common.timeline import TimelineCounters
 from ..common.utils import acc_mn_view, col_predicate, store_pairs_16bit, tanhf
-from .fwd_config import ROWSUM_COLS, TIMELINE_PHASES, Sm90FwdConfig
+from .fwd_config import TIMELINE_PHASES, Sm90FwdConfig
 from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
 
 # Named barriers (0 is __syncthreads): the consumers' epilogue, one per consumer warpgroup (up to
@@ -115,14 +115,6 @@ class MaskedHalves(NamedTuple):
     tSrK: cute.Tensor  # the first tile_n / 2 rows of each K slot
     acc_shape: tuple  # of the half accumulator: the first elements of the full one
     col_end: Int32
-
-
-class RowSums(NamedTuple):
-    """`rowsum_mma`: a consumer warpgroup's GEMM of P times a block of ones, whose accumulator
-    holds its rows' softmax sums (every column the whole row's)."""
-    tiled_mma: cute.TiledMma  # m64 n`ROWSUM_COLS`, P from registers as in P·V
-    tOrOnes: cute.Tensor  # the ones in shared memory as its B operand
-    acc: cute.Tensor
 
 
 class ProbsInSmem(NamedTuple):
@@ -230,7 +222,6 @@ class FlashFwdSm90(TimelineCounters):
         # `p_in_smem`: P (tile_m, tile_n) as the K-major A operand of P·V, 64 rows per warpgroup
         sP_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_m, cfg.tile_n)
         sP_elems = cute.cosize(sP_layout) if cutlass.const_expr(cfg.p_in_smem) else 0
-        sOnes_elems = cute.cosize(self.ones_layout()) if cutlass.const_expr(cfg.rowsum_mma) else 0
         # O is staged over Q once every consumer is done with Q; the region holds either. A
         # persistent CTA loads the next tile's Q during this tile's epilogue: O has its own.
         if cutlass.const_expr(cfg.persistent):
@@ -249,7 +240,6 @@ class FlashFwdSm90(TimelineCounters):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_elems], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_elems], 1024]
-            sOnes: cute.struct.Align[cute.struct.MemRange[self.dtype, sOnes_elems], 1024]
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
@@ -387,16 +377,12 @@ class FlashFwdSm90(TimelineCounters):
         sP = None
         if cutlass.const_expr(cfg.p_in_smem):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sOnes = None
-        if cutlass.const_expr(cfg.rowsum_mma):
-            sOnes_layout = self.ones_layout()
-            sOnes = storage.sOnes.get_tensor(sOnes_layout.outer, swizzle=sOnes_layout.inner)
 
         if cutlass.const_expr(cfg.persistent):
             pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_size, 1))
             self.run_persistent(
                 tidx, warp_idx, mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
-                tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO, sP, sOnes,
+                tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO, sP,
                 pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
                 softmax_scale_log2, softcap_prescale, window_left, window_right,
                 num_m_blocks, num_batch, heads_per_section, mTileCounter, storage.next_tile.get_tensor((1,)),
@@ -442,11 +428,10 @@ class FlashFwdSm90(TimelineCounters):
                     cute.arch.setmaxregister_increase(cfg.registers[0])
                     n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
                     ctidx = tidx - 128
-                    self.fill_ones(sOnes, ctidx)
                     mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_left_eff,
                                          window_right_eff, cfg.mask_bits)
                     self.consume(
-                        ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO, sP, sOnes,
+                        ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO, sP,
                         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
                         seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
                         softmax_scale_log2, softcap_prescale,
@@ -503,7 +488,7 @@ class FlashFwdSm90(TimelineCounters):
     @cute.jit
     def run_persistent(
         self, tidx, warp_idx, mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
-        tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO, sP, sOnes,
+        tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO, sP,
         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
         softmax_scale_log2, softcap_prescale, window_left, window_right,
         num_m_blocks, num_batch, heads_per_section, mTileCounter, sNextTile,
@@ -555,14 +540,13 @@ class FlashFwdSm90(TimelineCounters):
         else:
             cute.arch.setmaxregister_increase(cfg.registers[0])
             ctidx = tidx - 128
-            self.fill_ones(sOnes, ctidx)
             if cutlass.const_expr(cfg.pingpong):
                 # The first warpgroup holds the first GEMM-issue turn (once: the turns carry over).
                 if ctidx < 128:
                     cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG, number_of_threads=256)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-            consume_args = (ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO, sP, sOnes,
+            consume_args = (ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO, sP,
                             pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv)
             if cutlass.const_expr(cfg.tile_counter):
                 tile = first_tile
@@ -730,7 +714,7 @@ class FlashFwdSm90(TimelineCounters):
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO, sP, sOnes,
+        self, ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO, sP,
         pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         seqlen: SeqlenInfo, block_info: BlockInfo, mask: AttentionMask, m_block, head, batch,
         n_block_min, n_block_max, softmax_scale_log2, softcap_prescale, states=None, n_walk_max=None,
@@ -775,9 +759,8 @@ class FlashFwdSm90(TimelineCounters):
         # thread 0's coordinates: compile-time constants for the mask's comparisons
         t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_qk.get_slice(0).partition_C(cS)))
         num_rows = cute.size(tScS_mn, mode=[0])
-        sums = self.row_sums(sOnes, wg_idx, ctidx) if cutlass.const_expr(cfg.rowsum_mma) else None
         softmax = OnlineSoftmax.create(softmax_scale_log2, num_rows, LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0,
-                                        cfg.keep_vote, None if sums is None else acc_as_mma_sync(sums.acc))
+                                        cfg.keep_vote)
         correction = cute.make_rmem_tensor(num_rows, Float32)
         if cutlass.const_expr(cfg.rescale_o_before_pv):
             correction.fill(1.0)  # the first block leaves no factor; O is still 0 then
@@ -847,7 +830,7 @@ class FlashFwdSm90(TimelineCounters):
             if cutlass.const_expr(cfg.seqused_k):
                 self.zero_unused_keys(sV, kv, seqlen.seqlen_k - n_last * cfg.tile_n, ctidx, pipeline_v)
             if cutlass.const_expr(not cfg.intra_wg_overlap):
-                kv = self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v, sums=sums)
+                kv = self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
             self.stamp(stamps, 2)
 
             # Then the blocks that cross the causal diagonal / window edge, then the clean ones.
@@ -862,13 +845,13 @@ class FlashFwdSm90(TimelineCounters):
                     kv = self.attend_block_halves(
                         kv, n_last - 1 - i, cfg.causal, cfg.local, wg_idx, tiled_mma_qk, tiled_mma_pv,
                         tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
-                        mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases, halves, sums,
+                        mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases, halves,
                     )
                 else:
                     kv = self.attend_block(
                         kv, n_last - 1 - i, cfg.causal, cfg.local, wg_idx, tiled_mma_qk, tiled_mma_pv,
                         tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
-                        mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases, sums,
+                        mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases,
                     )
             if cutlass.const_expr(cfg.masked_halves):
                 # the first clean block's P·V is that of the last masked block, maybe a half
@@ -876,14 +859,14 @@ class FlashFwdSm90(TimelineCounters):
                     kv = self.attend_block_halves(
                         kv, n_split - 1, False, False, wg_idx, tiled_mma_qk, tiled_mma_pv,
                         tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
-                        mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases, halves, sums,
+                        mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases, halves,
                     )
                     n_split -= 1
             for i in cutlass.range(n_split - n_block_min, unroll=1):
                 kv = self.attend_block(
                     kv, n_split - 1 - i, False, False, wg_idx, tiled_mma_qk, tiled_mma_pv,
                     tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v, softmax, correction,
-                    mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases, sums,
+                    mask, tScS_mn, t0ScS_mn, m_block, softcap_prescale, phases,
                 )
             if cutlass.const_expr(states is not None):
                 # every S GEMM of the tile is waited for: the next tile's Q may come in
@@ -892,7 +875,7 @@ class FlashFwdSm90(TimelineCounters):
             if cutlass.const_expr(cfg.intra_wg_overlap):
                 if cutlass.const_expr(cfg.rescale_o_before_pv):
                     self.rescale_O(softmax, acc_O, correction)
-                kv = self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v, halves, n_block_min, sums)
+                kv = self.pv_block(kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v, halves, n_block_min)
             self.stamp(stamps, 3)
 
         self.epilogue(acc_O, softmax, mO, mLSE, tma_O, tma_mO, sO, seqlen, tiled_mma_pv, thr_mma_pv,
@@ -910,7 +893,7 @@ class FlashFwdSm90(TimelineCounters):
         self, kv, n_block, mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr, wg_idx,
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v,
         softmax: OnlineSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
-        softcap_prescale, phases, sums: Optional[RowSums] = None,
+        softcap_prescale, phases,
     ):
         """One key block n; `kv` is the ring slot to read next, the returned one the slot after.
 
@@ -928,7 +911,7 @@ class FlashFwdSm90(TimelineCounters):
             self.rescale_O(softmax, acc_O, correction)
         if cutlass.const_expr(cfg.intra_wg_overlap):
             pipeline_v.consumer_wait(kv)
-            self.pv_gemm(None, None, tiled_mma_pv, acc_O, tOrP, tOrVt, kv.index, sums)
+            gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False)
         if cutlass.const_expr(cfg.pingpong):
             next_wg = (wg_idx + 1) % cfg.num_consumer_wgs
             cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG + next_wg, number_of_threads=256)
@@ -950,7 +933,7 @@ class FlashFwdSm90(TimelineCounters):
         else:
             self.rescale_O_and_store_P(softmax, acc_O, correction, acc_S, rP)
         if cutlass.const_expr(not cfg.intra_wg_overlap):
-            kv_s = self.pv_block(kv_s, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v, sums=sums)
+            kv_s = self.pv_block(kv_s, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v)
         tick = self.tick(phases, 6, tick)
         if cutlass.const_expr(cfg.timeline):
             phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
@@ -961,7 +944,7 @@ class FlashFwdSm90(TimelineCounters):
         self, kv, n_block, mask_causal: cutlass.Constexpr, mask_local: cutlass.Constexpr, wg_idx,
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrVt, acc_O, rP, pipeline_k, pipeline_v,
         softmax: OnlineSoftmax, correction, mask: AttentionMask, tScS_mn, t0ScS_mn, m_block,
-        softcap_prescale, phases, halves: MaskedHalves, sums: Optional[RowSums] = None,
+        softcap_prescale, phases, halves: MaskedHalves,
     ):
         """`attend_block` (overlapped) with `masked_halves`: block n's S and block n + 1's P·V over
         the keys of theirs this warpgroup sees (`keys_seen`).
@@ -980,7 +963,7 @@ class FlashFwdSm90(TimelineCounters):
         if self.keys_seen(halves, n_block) > cfg.tile_n // 2:
             gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], zero_init=True)
             pipeline_v.consumer_wait(kv)
-            self.pv_gemm(halves, n_block + 1, tiled_mma_pv, acc_O, tOrP, tOrVt, kv.index, sums)
+            self.pv_gemm(halves, n_block + 1, tiled_mma_pv, acc_O, tOrP, tOrVt, kv.index)
             self.pass_turn(wg_idx)
             warpgroup.wait_group(1)
         else:
@@ -1113,11 +1096,11 @@ class FlashFwdSm90(TimelineCounters):
 
     @cute.jit
     def pv_block(self, kv, tiled_mma_pv, tOrP, tOrVt, acc_O, pipeline_v, halves: Optional[MaskedHalves] = None,
-                 n_block=None, sums: Optional[RowSums] = None):
+                 n_block=None):
         """O += P V(kv), waited for (with `halves`, over the keys of block `n_block` this
         warpgroup sees); returns the next ring slot."""
         pipeline_v.consumer_wait(kv)
-        self.pv_gemm(halves, n_block, tiled_mma_pv, acc_O, tOrP, tOrVt, kv.index, sums)
+        self.pv_gemm(halves, n_block, tiled_mma_pv, acc_O, tOrP, tOrVt, kv.index)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(kv)
         kv_next = kv.clone()
@@ -1169,66 +1152,21 @@ class FlashFwdSm90(TimelineCounters):
             acc_S[i] = -Float32.inf
 
     @cute.jit
-    def pv_gemm(self, halves: Optional[MaskedHalves], n_block, tiled_mma_pv, acc_O, tOrP, tOrVt, stage,
-                sums: Optional[RowSums] = None):
+    def pv_gemm(self, halves: Optional[MaskedHalves], n_block, tiled_mma_pv, acc_O, tOrP, tOrVt, stage):
         """Issue O += P V(n) as one WGMMA group; with `halves`, over the keys of block n this
-        warpgroup sees (P is 0 on the others), an empty group when it sees none. With `sums`
-        (`rowsum_mma`) the rows' sums += P times ones, in the same group over the same keys."""
+        warpgroup sees (P is 0 on the others), an empty group when it sees none."""
         if cutlass.const_expr(halves is None):
-            self.pv_gemm_over(None, tiled_mma_pv, acc_O, tOrP, tOrVt, stage, sums)
+            gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], zero_init=False)
         else:
             seen = self.keys_seen(halves, n_block)
             if seen > self.cfg.tile_n // 2:
-                self.pv_gemm_over(None, tiled_mma_pv, acc_O, tOrP, tOrVt, stage, sums)
+                gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], zero_init=False)
             else:
                 if seen > 0:
-                    self.pv_gemm_over(cute.size(tOrP, mode=[2]) // 2, tiled_mma_pv, acc_O, tOrP, tOrVt, stage, sums)
+                    gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], zero_init=False,
+                         k_blocks=cute.size(tOrP, mode=[2]) // 2)
                 else:
                     warpgroup.commit_group()
-
-    @cute.jit
-    def pv_gemm_over(self, k_blocks: cutlass.Constexpr, tiled_mma_pv, acc_O, tOrP, tOrVt, stage,
-                     sums: Optional[RowSums]):
-        """`pv_gemm` over the first `k_blocks` k blocks of P (all where None)."""
-        gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], zero_init=False, k_blocks=k_blocks,
-             commit=sums is None)
-        if cutlass.const_expr(sums is not None):
-            gemm(sums.tiled_mma, sums.acc, tOrP, sums.tOrOnes, zero_init=False, k_blocks=k_blocks, fence=False)
-
-    def ones_layout(self):
-        """`rowsum_mma`: the block of ones, (ROWSUM_COLS, 16) as the K-major B operand of one k16
-        step of the sums' GEMM, which every step reads (trace time only)."""
-        return wgmma_smem_layout_tile(self.dtype, ROWSUM_COLS, 16)
-
-    @cute.jit
-    def fill_ones(self, sOnes, ctidx):
-        """`rowsum_mma`: the consumers write the block of ones once per CTA, before any GEMM reads
-        it (it is never written again); nothing otherwise."""
-        if cutlass.const_expr(self.cfg.rowsum_mma):
-            elems = ROWSUM_COLS * 16
-            for i in cutlass.range_constexpr((elems + self.num_consumer_threads - 1) // self.num_consumer_threads):
-                idx = ctidx + i * self.num_consumer_threads
-                if idx < elems:
-                    sOnes[idx % ROWSUM_COLS, idx // ROWSUM_COLS] = self.dtype(1.0)
-            # generic-proxy writes, read by WGMMA through the async proxy
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
-
-    @cute.jit
-    def row_sums(self, sOnes, wg_idx, ctidx) -> RowSums:
-        """`rowsum_mma`: this warpgroup's GEMM of P times ones, its accumulator zeroed."""
-        cfg = self.cfg
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (cfg.num_consumer_wgs, 1, 1),
-            (64, ROWSUM_COLS), a_source=warpgroup.OperandSource.RMEM,
-        )
-        acc = cute.make_rmem_tensor(tiled_mma.get_slice(ctidx).partition_shape_C((cfg.tile_m, ROWSUM_COLS)), Float32)
-        acc.fill(0.0)
-        # one k16 block of ones for all of P's: its descriptor, the same at every k step, stays put
-        tOrOnes = tiled_mma.make_fragment_B(tiled_mma.get_slice(wg_idx * 128).partition_B(sOnes))
-        k_steps = cfg.tile_n // 16
-        tOrOnes = cute.make_tensor(tOrOnes.iterator, cute.make_layout((1, 1, k_steps), stride=(0, 0, 0)))
-        return RowSums(tiled_mma, tOrOnes, acc)
 
     def pv_wait_midway(self):
         """With `pv_wait_at`, the P·V wait that `OnlineSoftmax.probs` issues among the block's

@@ -182,8 +182,6 @@ SHORT_CAUSAL_TILES = {128: Tile(128, 128, 2, 2, True, persistent=True, keep_vote
 REGISTERS = {2: (240, 24), 3: (160, 32)}
 
 SMEM_LIMIT = 227 * 1024
-# `Sm90FwdConfig.rowsum_mma`: the columns of its block of ones (the narrowest WGMMA, m64n8k16)
-ROWSUM_COLS = 8
 
 
 @dataclass(frozen=True)
@@ -275,17 +273,6 @@ class Sm90FwdConfig:
     # paths), instead of after the softmax (-1, the branches holding all of them). ptxas moves
     # the wait up to the branches' merge, not across (module docstring).
     pv_wait_at: int = -1
-    # The rows' softmax sums by the tensor cores instead of one FADD per exponential (an A/B
-    # option that `make_config` does not set): each P·V group also issues P times a block of
-    # ones (m64 n8, P from the same registers), whose fp32 accumulator then holds every row's
-    # sum -- of the 16-bit P that P·V adds up, in all 4 lanes of the row's quad, so the
-    # epilogue's shuffles go too -- and is rescaled with O. Per key block that is tile_n / 16
-    # more WGMMAs (an N of 8 next to P·V's head dim) for tile_n / 2 fewer FADDs per thread, on
-    # the idea that at small head dims the issue slots, not the tensor cores, are what is short.
-    # O is then normalized by the sum of the very weights P·V added up (an exact convex
-    # combination of V's rows), but that sum differs from the fp32 one by up to 2^-9 relative
-    # (bf16), 1e-3 in the LSE of a row that sees two keys: so only calls that want no LSE.
-    rowsum_mma: bool = False
 
     def __post_init__(self):
         check_attention_config(self, DTYPES, TILE_HEADDIMS)
@@ -320,10 +307,6 @@ class Sm90FwdConfig:
                              f"0 <= pv_wait_at < {self.tile_n // 2}; got {self.pv_wait_at}")
         if self.tile_n % 16:
             raise ValueError(f"tile_n must be a multiple of 16 (the k of P·V); got {self.tile_n}")
-        if self.rowsum_mma and (self.p_in_smem or self.has_lse):
-            raise ValueError("rowsum_mma reads P from the registers of P·V's A operand and sums it in 16 bits, "
-                             "which O's normalization may take but the LSE may not: it takes no p_in_smem and "
-                             "needs has_lse=False")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory (> {SMEM_LIMIT})")
 
@@ -359,11 +342,8 @@ class Sm90FwdConfig:
             q_o = self.tile_m * max(self.head_dim, self.head_dim_v)
         kv = self.tile_n * (self.head_dim + self.head_dim_v) * self.num_stages
         p = self.tile_m * self.tile_n if self.p_in_smem else 0
-        # `rowsum_mma`: its block of ones (ROWSUM_COLS x 16, 256 bytes) rounds the struct up by
-        # a 1024-aligned region of its own
-        ones = 1024 if self.rowsum_mma else 0
         # the mbarriers (and the tile hand-over slot) padded to the 1024-aligned tiles
-        return 1024 + 2 * (q_o + kv + p) + ones + SM90_STATIC_SMEM_BYTES
+        return 1024 + 2 * (q_o + kv + p) + SM90_STATIC_SMEM_BYTES
 
     @property
     def name(self) -> str:
@@ -398,8 +378,6 @@ class Sm90FwdConfig:
             flags.append("cmpmask")
         if self.p_in_smem:
             flags.append("psmem")
-        if self.rowsum_mma:
-            flags.append("summma")
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         tile = f"{self.tile_m}x{self.tile_n}wg{self.num_consumer_wgs}s{self.num_stages}"
         return "_".join(["fwd_sm90", self.dtype, hd, tile] + flags)

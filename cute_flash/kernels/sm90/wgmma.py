@@ -15,11 +15,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 
 def acc_as_mma_sync(acc: cute.Tensor) -> cute.Tensor:
-    """View a WGMMA accumulator ((2, 2, V), M, N) as the mma.sync form ((2, 2), M, (V, N)); that
-    of an n8 WGMMA (V = 1) comes as ((2, 2), M, N), already in that form."""
+    """View a WGMMA accumulator ((2, 2, V), M, N) as the mma.sync form ((2, 2), M, (V, N))."""
     shape, stride = acc.layout.shape, acc.layout.stride
-    if len(shape[0]) == 2:
-        return acc
     layout = cute.make_layout(
         ((shape[0][0], shape[0][1]), shape[1], (shape[0][2], shape[2])),
         stride=((stride[0][0], stride[0][1]), stride[1], (stride[0][2], stride[2])),
@@ -45,22 +42,17 @@ def gemm(
     tCrB: cute.Tensor,
     zero_init: cutlass.Constexpr[bool],
     k_blocks: cutlass.Constexpr = None,
-    fence: cutlass.Constexpr[bool] = True,
-    commit: cutlass.Constexpr[bool] = True,
 ):
     """Issue acc (+)= A B over every k block (the first `k_blocks` where given) as one WGMMA
-    group (commit, no wait); `fence` / `commit` False: a GEMM in the middle of a group (issued
-    right after a fenced one, or followed by another that commits)."""
-    gemm_accumulate_if(tiled_mma, acc, tCrA, tCrB, not zero_init, k_blocks, fence, commit)
+    group (commit, no wait)."""
+    gemm_accumulate_if(tiled_mma, acc, tCrA, tCrB, not zero_init, k_blocks)
 
 
 @cute.jit
 def gemm_accumulate_if(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, accumulate,
-                       k_blocks: cutlass.Constexpr = None, fence: cutlass.Constexpr[bool] = True,
-                       commit: cutlass.Constexpr[bool] = True):
+                       k_blocks: cutlass.Constexpr = None):
     """Issue acc = A B (+ acc where `accumulate`, which may be a run-time Boolean) over every k
-    block (the first `k_blocks` where given) as one WGMMA group (commit, no wait; `gemm` says
-    what `fence` and `commit` False are for).
+    block (the first `k_blocks` where given) as one WGMMA group (commit, no wait).
 
     A run-time flag lets an accumulator that lives across a loop start from its first GEMM
     instead of a zero fill, whose constants the compiler may hoist ahead of the warp-role branch
@@ -69,10 +61,8 @@ def gemm_accumulate_if(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Te
     """
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, accumulate)
-    if cutlass.const_expr(fence):
-        warpgroup.fence()
+    warpgroup.fence()
     for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2]) if k_blocks is None else k_blocks):
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
-    if cutlass.const_expr(commit):
-        warpgroup.commit_group()
+    warpgroup.commit_group()
