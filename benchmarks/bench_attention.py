@@ -6,9 +6,10 @@ backward, its gradients) is checked against cute_flash's float32 reference with 
 tolerance; a provider that fails is reported as `wrong`, never timed. Times are
 `triton.testing.do_bench` medians after warm-up (CUDA events if Triton is missing); FLOPs and
 bytes follow DESIGN.md (see bench_lib.py). Errors and out-of-memory are recorded per cell. With
-`--rounds N` every provider of a case is timed N times, the providers taking turns in an order
-that reverses every round (A B C, C B A, A B C, ...), and a cell reports the median: drifts of
-the GPU's clock then touch every provider alike instead of whichever ran during them.
+`--rounds N` every provider of a case is timed N more times once all of them are checked, the
+providers taking turns in an order that reverses every round (C B A, A B C, C B A, ...), and a
+cell reports the median of those N: drifts of the GPU's clock then touch every provider alike
+instead of whichever ran during them.
 
 Writes <out-dir>/<gpu>-<date>.md (tables), .json (raw results) and -<mode>.png (plots); the
 tables and JSON are rewritten after every case, so an interrupted run keeps what it measured.
@@ -201,7 +202,7 @@ def collect_meta(args, argv, timer: str) -> dict:
         "cute_flash": f"{cute_flash.__version__} (commit {_commit()})",
         "dtype": args.dtype,
         "timing": f"{timer}, warm-up {args.warmup:g} ms, measured {args.rep:g} ms"
-                  + (f"; median of {args.rounds} rounds, the providers taking turns (order reversed every round)"
+                  + (f"; median of {args.rounds} rounds once every provider is checked, the providers taking turns (order reversed every round)"
                      if args.rounds > 1 else ""),
         "correctness": "max|out - ref| <= 2 max|out_torch - ref| + atol against the float32 reference, on the first "
                        "sequence and 4 heads (decode: first 4 sequences); out, dq, dk, dv for forward + backward",
@@ -335,14 +336,18 @@ def round_order(names: list, round_index: int) -> list:
 
 
 def time_rounds(results: list, again: dict, rounds: int) -> None:
-    """Rounds 2..`rounds` of one case: each provider in `again` timed once per round, in turn,
-    the order reversed every other round (round 1 ran them in the given order, round 2 runs them
-    backwards, ...): the H200's clocks drift by several percent within seconds, and a fixed order
-    would hand the same provider the same place in that drift every round. Its result then
-    reports the median of all its rounds (`ms_rounds` keeps them). A provider that fails in a
-    later round becomes an error cell."""
-    times = {r.provider: [r.ms] for r in results if r.provider in again and r.status == OK}
-    for round_index in range(1, rounds):
+    """`rounds` rounds of one case, once every provider has been checked: each provider in
+    `again` timed once per round, in turn, the order reversed every other round (the first round
+    runs them backwards, the second in the given order, ...): the H200's clocks drift by several
+    percent within seconds, and a fixed order would hand the same provider the same place in that
+    drift every round. The timing each provider took right after its own check is not one of
+    them: it ran alone, after compiles and the reference had paused the GPU's load, and favoured
+    whichever provider came first (on an H100, 2026-12-07, 5 rounds of the forward at head dims
+    64-256: cute-sm90, checked first, ran a median 4.6% and at most 14.5% faster there than in its
+    later rounds, flash-attn-4 level). Each result then reports the median of its rounds
+    (`ms_rounds` keeps them). A provider that fails in a round becomes an error cell."""
+    times = {r.provider: [] for r in results if r.provider in again and r.status == OK}
+    for round_index in range(1, rounds + 1):
         for name in round_order(list(times), round_index):
             try:
                 times[name].append(again[name]())

@@ -314,13 +314,13 @@ def test_cli_rounds_must_be_positive(capsys):
     assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
-def test_rounds_report_the_median_of_every_turn_and_drop_a_provider_that_fails_later():
+def test_rounds_report_the_median_of_the_turns_after_the_checks_and_drop_a_provider_that_fails_later():
     case = bl.Case(mode="fwd", batch=2, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_k=16, headdim=128,
                    causal=False, dtype="bf16")
     results = [bl.Result(case, "a", bl.OK, ms=1.0, value=bl.throughput(case, 1e-3)),
                bl.Result(case, "b", bl.OK, ms=2.0, value=bl.throughput(case, 2e-3)),
                bl.Result(case, "c", bl.WRONG, max_err=1.0)]
-    order, a_times = [], iter([3.0, 2.0])
+    order, a_times = [], iter([3.0, 2.0, 4.0])
 
     def time_a():
         order.append("a")
@@ -332,8 +332,10 @@ def test_rounds_report_the_median_of_every_turn_and_drop_a_provider_that_fails_l
 
     bench_attention.time_rounds(results, {"a": time_a, "b": time_b}, rounds=3)
     a, b, c = results
-    assert order == ["b", "a", "a"]  # round 2 backwards: b, a; round 3 a alone once b has failed
-    assert a.ms_rounds == [1.0, 3.0, 2.0] and a.ms == 2.0 and a.value == bl.throughput(case, 2e-3)
+    # round 1 backwards: b, a; rounds 2 and 3 a alone once b has failed
+    assert order == ["b", "a", "a", "a"]
+    # the timing right after the check (1.0 ms) is not a round
+    assert a.ms_rounds == [3.0, 2.0, 4.0] and a.ms == 3.0 and a.value == bl.throughput(case, 3e-3)
     assert b.status == bl.ERROR and b.value is None and "a later round" in b.message
     assert c.status == bl.WRONG and c.ms_rounds is None
 
