@@ -341,8 +341,8 @@ def time_rounds(results: list, again: dict, rounds: int) -> None:
     runs them backwards, the second in the given order, ...): the H200's clocks drift by several
     percent within seconds, and a fixed order would hand the same provider the same place in that
     drift every round. The timing each provider took right after its own check is not one of
-    them: it ran alone, after compiles and the reference had paused the GPU's load, and favoured
-    whichever provider came first (on an H100, 2026-12-07, 5 rounds of the forward at head dims
+    them: it ran alone, after a pause in the GPU's load (the case's set-up, compiles and checks),
+    and favoured whichever provider came first (on an H100, 2026-12-07, 5 rounds of the forward at head dims
     64-256: cute-sm90, checked first, ran a median 4.6% and at most 14.5% faster there than in its
     later rounds, flash-attn-4 level). Each result then reports the median of its rounds
     (`ms_rounds` keeps them). A provider that fails in a round becomes an error cell."""
