@@ -8,12 +8,16 @@ the forward kernel, the backward's preprocess, main kernel and postprocess, and 
 launched (copies, memsets). Each provider runs `iters` forward + backward steps under
 `torch.profiler` (CUPTI's kernel records, so the time is the GPU's, without launch gaps) after
 a warm-up; every kernel is listed with its launches per step and mean microseconds, and the sum
-per step. Kernel names are cut to `--name-width` characters.
+per step. Kernel names are cut to `--name-width` characters. With `--rounds N` the providers
+take turns N times, the order reversed every round (the SM clock drifts with the card's power
+and heat, and a fixed order hands the same provider the same place in that drift): each kernel's
+time is then the median over the rounds, and every round's sum per step is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -67,6 +71,35 @@ def breakdown(provider: str, b: int, s: int, h: int, d: int, causal: bool, iters
     return rows, per_step
 
 
+def breakdown_rounds(providers: list, run_one, rounds: int) -> dict:
+    """{provider: (rows, per-step µs of every round)} over `rounds` turns of `run_one(provider)`
+    (which returns `breakdown`'s (rows, per_step)), the providers' order reversed every other
+    round; rows hold each kernel's launches per step and mean µs per launch, each the median over
+    the rounds in which that kernel ran. A provider that fails in a round is reported as failed: {provider: exception}."""
+    runs: dict = {p: [] for p in providers}
+    failed: dict = {}
+    for r in range(rounds):
+        for provider in (providers if r % 2 == 0 else providers[::-1]):
+            if provider in failed:
+                continue
+            try:
+                runs[provider].append(run_one(provider))
+            except Exception as exc:  # one provider's failure must not hide the others
+                failed[provider] = exc
+    out: dict = {}
+    for provider in providers:
+        if provider in failed:
+            out[provider] = failed[provider]
+            continue
+        names = {name for rows, _ in runs[provider] for name in rows}
+        rows = {}
+        for name in names:
+            seen = [rows_r[name] for rows_r, _ in runs[provider] if name in rows_r]
+            rows[name] = (statistics.median(n for n, _ in seen), statistics.median(us for _, us in seen))
+        out[provider] = (rows, [per_step for _, per_step in runs[provider]])
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--providers", default="cute-sm90,fa4")
@@ -76,8 +109,11 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / head dim")
     p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1, help="turns of every provider, the order reversed every round")
     p.add_argument("--name-width", type=int, default=90)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     b = args.batch or max(1, 16384 // args.seqlen)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     for d in (int(x) for x in args.headdims.split(",")):
@@ -86,13 +122,18 @@ def main(argv=None) -> int:
         for causal in causals:
             f = flops / 2 if causal else flops
             print(f"\n## head dim {d}, {b} x {args.seqlen} x {h} heads, bf16, causal={causal}")
-            for provider in args.providers.split(","):
-                try:
-                    rows, per_step = breakdown(provider, b, args.seqlen, h, d, causal, args.iters)
-                except Exception as exc:  # one provider's failure must not hide the others
-                    print(f"{provider}: failed: {type(exc).__name__}: {exc}")
+            results = breakdown_rounds(
+                args.providers.split(","),
+                lambda provider: breakdown(provider, b, args.seqlen, h, d, causal, args.iters),  # noqa: B023
+                args.rounds)
+            for provider, result in results.items():
+                if isinstance(result, Exception):
+                    print(f"{provider}: failed: {type(result).__name__}: {result}")
                     continue
-                print(f"{provider}: {per_step:.1f} µs of kernels per step ({f / per_step / 1e6:.1f} TFLOP/s)")
+                rows, per_steps = result
+                per_step = statistics.median(per_steps)
+                each = f"; rounds {' / '.join(f'{x:.1f}' for x in per_steps)}" if len(per_steps) > 1 else ""
+                print(f"{provider}: {per_step:.1f} µs of kernels per step ({f / per_step / 1e6:.1f} TFLOP/s){each}")
                 for name, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
                     print(f"  {n:5.1f} x {us:9.1f} µs  {name[:args.name_width]}")
     return 0

@@ -345,6 +345,30 @@ def test_rounds_alternate_the_order_of_the_providers():
     assert [bench_attention.round_order(names, i) for i in range(4)] == [names, names[::-1], names, names[::-1]]
 
 
+def test_kernel_breakdown_rounds_take_turns_and_report_medians():
+    import kernel_breakdown
+
+    calls = []
+
+    def run_one(provider):
+        calls.append(provider)
+        if provider == "x":
+            raise RuntimeError("lost")
+        us = {"a": [10.0, 30.0, 20.0], "b": [5.0, 7.0, 6.0]}[provider][sum(c == provider for c in calls) - 1]
+        rows = {"fwd": (1.0, us)}
+        if provider == "a" and len(calls) == 1:
+            rows["memset"] = (2.0, 1.0)  # a kernel seen in one round only
+        return rows, us + 100.0
+
+    out = kernel_breakdown.breakdown_rounds(["a", "b", "x"], run_one, rounds=3)
+    assert calls == ["a", "b", "x", "b", "a", "a", "b"]  # reversed every other round; x dropped once failed
+    rows, per_steps = out["a"]
+    assert per_steps == [110.0, 130.0, 120.0]
+    assert rows["fwd"] == (1.0, 20.0) and rows["memset"] == (2.0, 1.0)
+    assert out["b"][0]["fwd"] == (1.0, 6.0)
+    assert isinstance(out["x"], RuntimeError)
+
+
 def test_recorded_commit_can_be_given_by_the_environment(monkeypatch):
     monkeypatch.setenv("CUTE_FLASH_COMMIT", "abc1234")
     assert bench_attention._commit() == "abc1234, as CUTE_FLASH_COMMIT says"
