@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from bench_lib import (DTYPES, ERROR, MODES, NOT_APPLICABLE, NOT_RUN, OK, OOM, QUICK, WRONG, Case, Result,  # noqa: E402
                        Sweep, build_cases, capture_graph, complete_cases, format_size, make_timer, parse_size,
-                       parse_sizes, throughput)
+                       parse_sizes, round_order, throughput)
 
 DEFAULT_OUT = HERE / "results"
 
@@ -327,12 +327,6 @@ def _time_in_context(runner, timed, no_grad: bool) -> float:
             with torch.no_grad():
                 return timed()
         return timed()
-
-
-def round_order(names: list, round_index: int) -> list:
-    """The providers of round `round_index` (0 = the first): the given order, reversed in every
-    odd-numbered round."""
-    return names[::-1] if round_index % 2 else names
 
 
 def time_rounds(results: list, again: dict, rounds: int) -> None:

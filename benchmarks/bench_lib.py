@@ -377,6 +377,13 @@ def capture_graph(fn):
 # ---- timing -------------------------------------------------------------------------------
 
 
+def round_order(names: list, round_index: int) -> list:
+    """The providers (or variants) of round `round_index` (0 = the first): the given order,
+    reversed in every odd-numbered round, so that none always runs first (or last) as the GPU's
+    clock drifts."""
+    return names[::-1] if round_index % 2 else names
+
+
 def interleaved_rounds(runs: dict, rounds: int, warmup_ms: float = 25, rep_ms: float = 100,
                        grad_to_none=None) -> dict:
     """{label: [median ms of each round]}: every callable of `runs` timed once per round with
@@ -386,9 +393,8 @@ def interleaved_rounds(runs: dict, rounds: int, warmup_ms: float = 25, rep_ms: f
     from triton.testing import do_bench
 
     times = {label: [] for label in runs}
-    order = list(runs)
     for r in range(rounds):
-        for label in order if r % 2 == 0 else order[::-1]:
+        for label in round_order(list(runs), r):
             times[label].append(do_bench(runs[label], warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
                                          return_mode="median"))
     return times

@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_lib import round_order  # noqa: E402
+
 
 def _step_fn(provider: str, q, k, v, dout, causal: bool):
     if provider == "fa4":
@@ -79,7 +81,7 @@ def breakdown_rounds(providers: list, run_one, rounds: int) -> dict:
     runs: dict = {p: [] for p in providers}
     failed: dict = {}
     for r in range(rounds):
-        for provider in (providers if r % 2 == 0 else providers[::-1]):
+        for provider in round_order(providers, r):
             if provider in failed:
                 continue
             try:
