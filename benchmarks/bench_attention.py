@@ -357,6 +357,23 @@ def time_rounds(results: list, again: dict, rounds: int) -> None:
             r.value = throughput(r.case, r.ms * 1e-3)
 
 
+TIME_LIMIT = "time limit (--max-minutes) reached"
+
+
+def finish_rounds(results: list, again: dict, rounds: int, stopped: Optional[str]) -> None:
+    """The rounds of one case (`time_rounds`) once its providers have run, also where the time
+    limit stopped the case between two providers: that limit stops new cells, and the cells that
+    ran still get their rounds (a few seconds), so that every time in a table is a median of its
+    rounds. Where the run stopped for another reason (the CUDA context lost) no further timing
+    can run, and each cell that ran says its time is the single one after its check."""
+    if stopped is None or stopped == TIME_LIMIT:
+        time_rounds(results, again, rounds)
+        return
+    for r in results:
+        if r.status == OK and r.provider in again:
+            r.message = f"one timing, right after its check: no rounds ({stopped})"
+
+
 def _context_alive() -> bool:
     """False once a kernel has faulted: every later CUDA call would fail and blame its caller."""
     try:
@@ -434,7 +451,7 @@ def run(args, argv=None) -> int:
             bar.update(len(runners))
             continue
         if stopped is None and time.monotonic() > deadline:
-            stopped = "time limit (--max-minutes) reached"
+            stopped = TIME_LIMIT
         if stopped is not None:
             results += [Result(case, r.name, NOT_RUN, message=stopped) for r in runners]
             bar.update(len(runners))
@@ -449,7 +466,7 @@ def run(args, argv=None) -> int:
         case_results, again = [], ({} if args.rounds > 1 else None)
         for r in runners:
             if stopped is None and time.monotonic() > deadline:
-                stopped = "time limit (--max-minutes) reached"
+                stopped = TIME_LIMIT
             if stopped is not None:
                 case_results.append(Result(case, r.name, NOT_RUN, message=stopped))
             else:
@@ -460,8 +477,8 @@ def run(args, argv=None) -> int:
                     stopped = f"the CUDA context was lost after {r.name} on {case.describe()}"
                     meta["notes"].append(stopped)
             bar.update(1)
-        if again and stopped is None:
-            time_rounds(case_results, again, args.rounds)
+        if again:
+            finish_rounds(case_results, again, args.rounds, stopped)
         results += case_results
         del x, oracle, again
         if stopped is None:
@@ -469,7 +486,7 @@ def run(args, argv=None) -> int:
         write_markdown(md_path, meta, providers, results)
         write_json(json_path, meta, providers, results)
     bar.close()
-    if stopped and stopped.startswith("time limit"):
+    if stopped == TIME_LIMIT:
         meta["notes"].append(f"stopped starting new cells after --max-minutes {args.max_minutes:g}; "
                              "cells marked 'not run' were not measured")
     plots = write_plots(results, providers, args.out_dir / stem)

@@ -340,6 +340,28 @@ def test_rounds_report_the_median_of_the_turns_after_the_checks_and_drop_a_provi
     assert c.status == bl.WRONG and c.ms_rounds is None
 
 
+def test_a_case_stopped_by_the_time_limit_still_gets_its_rounds_and_a_lost_context_says_so():
+    case = bl.Case(mode="fwd", batch=2, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_k=16, headdim=128,
+                   causal=False, dtype="bf16")
+
+    def cells():
+        return [bl.Result(case, "a", bl.OK, ms=1.0, value=bl.throughput(case, 1e-3)),
+                bl.Result(case, "b", bl.NOT_RUN, message=bench_attention.TIME_LIMIT)]
+
+    results = cells()
+    bench_attention.finish_rounds(results, {"a": lambda: 2.0}, rounds=3, stopped=bench_attention.TIME_LIMIT)
+    assert results[0].ms_rounds == [2.0, 2.0, 2.0] and results[0].ms == 2.0 and not results[0].message
+    assert results[1].status == bl.NOT_RUN
+
+    def must_not_run():
+        raise AssertionError("timed after the CUDA context was lost")
+
+    results = cells()
+    bench_attention.finish_rounds(results, {"a": must_not_run}, rounds=3, stopped="the CUDA context was lost")
+    assert results[0].ms == 1.0 and results[0].ms_rounds is None
+    assert "one timing, right after its check" in results[0].message
+
+
 def test_rounds_alternate_the_order_of_the_providers():
     names = ["a", "b", "c"]
     assert [bench_attention.round_order(names, i) for i in range(4)] == [names, names[::-1], names, names[::-1]]
