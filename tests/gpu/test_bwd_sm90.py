@@ -429,6 +429,50 @@ def test_sm90_bwd_conversion_ctas_match_the_postprocess_kernel(case):
     torch.testing.assert_close(fused[0], separate[0], atol=1e-3, rtol=1e-2)
 
 
+SKIP_HIDDEN_CASES = [
+    # (d, seqlen_q, seqlen_k, heads, heads_k, mask): the causal diagonal's first block (the second
+    # warpgroup's keys right of every query), with the diagonal moved both ways by unequal
+    # lengths; a window that leaves keys visible to no query at all (dK, dV zero with no GEMM
+    # run); key tails whose last 64 keys lie past seqlen_k; soft-capping
+    (128, 1024, 1024, 4, 4, {"causal": True}),
+    (128, 1537, 1000, 4, 2, {"causal": True}),
+    (128, 700, 1111, 4, 4, {"causal": True}),
+    (128, 1111, 1111, 6, 2, {"window_left": 100, "window_right": 30}),
+    (128, 300, 2000, 4, 4, {"window_left": 20, "window_right": 20}),
+    (128, 999, 1050, 4, 4, {}),
+    (96, 1000, 1001, 4, 4, {"causal": True}),
+    (64, 1025, 1025, 8, 8, {"causal": True}),
+    (64, 777, 1050, 4, 2, {"window_left": 64, "window_right": 0}),
+    (128, 900, 900, 4, 4, {"causal": True, "softcap": 20.0}),
+]
+
+
+@pytest.mark.parametrize("case", SKIP_HIDDEN_CASES)
+def test_sm90_bwd_skipping_hidden_warpgroup_blocks_changes_nothing(case):
+    """`skip_hidden` (an A/B option): a warpgroup that no query of a block sees skips its GEMMs
+    there and writes zeros as its dS^T rows. Against the oracle, and against the same kernel
+    without it with every gradient NaN-poisoned first: dK and dV bitwise (the skipped GEMMs add
+    exact zeros), dQ up to its reduce-adds' float32 order."""
+    from dataclasses import replace
+
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    d, seqlen_q, seqlen_k, heads, heads_k, mask = case
+    torch.manual_seed(d + seqlen_q + seqlen_k + heads)
+    q = randn_in_nan((2, seqlen_q, heads, d), torch.bfloat16, row_dim=1, pad_rows=3)
+    k, v = nan_framed_kv(2, seqlen_k, heads_k, d, d, torch.bfloat16)
+    args = _args(d, **({"window_right": 0, **mask} if mask.get("causal") else mask))
+    main = sm90_configs(q, k, v, None, args)[1]
+    assert not main.skip_hidden and not main.dkv_split, main.name
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = _transposed_dout(out.shape, q.dtype)
+    skipping, plain = _run_main_kernels((replace(main, skip_hidden=True), main), q, k, v, out, lse, dout, args)
+    check_backward(skipping, dout, None, q, k, v, out, lse, args)
+    assert torch.equal(skipping[1], plain[1]) and torch.equal(skipping[2], plain[2])
+    torch.testing.assert_close(skipping[0], plain[0], atol=1e-3, rtol=1e-2)
+
+
 def test_sm90_bwd_q_clusters_only_where_both_ctas_walk_the_same_queries():
     """`cluster_q` needs an even number of key blocks, no mask and a head dim up to 96; other
     calls keep single CTAs (and still pass the oracle)."""
