@@ -409,6 +409,15 @@ def test_sm90_bwd_conversion_ctas_match_the_postprocess_kernel(case):
     Against the oracle, and against the postprocess kernel after the same main kernel without
     them (dQ up to its reduce-adds' float32 order; dK and dV bitwise), with every gradient
     NaN-poisoned first, so a block converted before its last add or never shows."""
+    main = _flag_matches_the_shipped_kernel(case, "dq_convert")
+    assert main.dq_flat, main.name
+
+
+def _flag_matches_the_shipped_kernel(case, flag: str):
+    """The call's shipped main kernel (returned) with `flag` on, against the oracle and against
+    itself without it, every gradient NaN-poisoned first: dK and dV bitwise, dQ up to its
+    reduce-adds' float32 order. `case`: (d, seqlen_q, seqlen_k, heads, heads_k, mask), bf16, GQA
+    where heads_k < heads, NaN-framed buffers."""
     from dataclasses import replace
 
     from cute_flash.backends.cute_bwd import sm90_configs
@@ -419,14 +428,15 @@ def test_sm90_bwd_conversion_ctas_match_the_postprocess_kernel(case):
     k, v = nan_framed_kv(2, seqlen_k, heads_k, d, d, torch.bfloat16)
     args = _args(d, **({"window_right": 0, **mask} if mask.get("causal") else mask))
     main = sm90_configs(q, k, v, None, args)[1]
-    assert main.dq_flat and not main.dq_convert, main.name
+    assert not getattr(main, flag), main.name
     ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
     out, lse = ref_out.to(q.dtype), ref_lse.float()
     dout = _transposed_dout(out.shape, q.dtype)
-    fused, separate = _run_main_kernels((replace(main, dq_convert=True), main), q, k, v, out, lse, dout, args)
-    check_backward(fused, dout, None, q, k, v, out, lse, args)
-    assert torch.equal(fused[1], separate[1]) and torch.equal(fused[2], separate[2])
-    torch.testing.assert_close(fused[0], separate[0], atol=1e-3, rtol=1e-2)
+    on, off = _run_main_kernels((replace(main, **{flag: True}), main), q, k, v, out, lse, dout, args)
+    check_backward(on, dout, None, q, k, v, out, lse, args)
+    assert torch.equal(on[1], off[1]) and torch.equal(on[2], off[2])
+    torch.testing.assert_close(on[0], off[0], atol=1e-3, rtol=1e-2)
+    return main
 
 
 SKIP_HIDDEN_CASES = [
@@ -453,24 +463,8 @@ def test_sm90_bwd_skipping_hidden_warpgroup_blocks_changes_nothing(case):
     there and writes zeros as its dS^T rows. Against the oracle, and against the same kernel
     without it with every gradient NaN-poisoned first: dK and dV bitwise (the skipped GEMMs add
     exact zeros), dQ up to its reduce-adds' float32 order."""
-    from dataclasses import replace
-
-    from cute_flash.backends.cute_bwd import sm90_configs
-
-    d, seqlen_q, seqlen_k, heads, heads_k, mask = case
-    torch.manual_seed(d + seqlen_q + seqlen_k + heads)
-    q = randn_in_nan((2, seqlen_q, heads, d), torch.bfloat16, row_dim=1, pad_rows=3)
-    k, v = nan_framed_kv(2, seqlen_k, heads_k, d, d, torch.bfloat16)
-    args = _args(d, **({"window_right": 0, **mask} if mask.get("causal") else mask))
-    main = sm90_configs(q, k, v, None, args)[1]
-    assert not main.skip_hidden and not main.dkv_split, main.name
-    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
-    out, lse = ref_out.to(q.dtype), ref_lse.float()
-    dout = _transposed_dout(out.shape, q.dtype)
-    skipping, plain = _run_main_kernels((replace(main, skip_hidden=True), main), q, k, v, out, lse, dout, args)
-    check_backward(skipping, dout, None, q, k, v, out, lse, args)
-    assert torch.equal(skipping[1], plain[1]) and torch.equal(skipping[2], plain[2])
-    torch.testing.assert_close(skipping[0], plain[0], atol=1e-3, rtol=1e-2)
+    main = _flag_matches_the_shipped_kernel(case, "skip_hidden")
+    assert not main.dkv_split, main.name
 
 
 def test_sm90_bwd_q_clusters_only_where_both_ctas_walk_the_same_queries():
