@@ -950,6 +950,9 @@ class FlashBwdSm90(TimelineCounters):
             if cutlass.const_expr(cfg.timeline):
                 phases.fill(0)
             dkv_started = cutlass.Boolean(False)  # `skip_hidden`: whether dK and dV have had a GEMM
+            wg_m_min = wg_m_max = None
+            if cutlass.const_expr(cfg.skip_hidden):
+                wg_m_min, wg_m_max = self.warpgroup_query_blocks(seqlen, n_block, wg_idx, left, right)
             for it in cutlass.range(walk.steps, unroll=1):
                 head, m_block = walk.coords(it)
                 m_lo = m_block * cfg.tile_m
@@ -968,7 +971,7 @@ class FlashBwdSm90(TimelineCounters):
                 p_stage = cfg.ds_stages + it % cfg.p_stages if cutlass.const_expr(cfg.dkv_split) else None
                 visible, accumulate = None, it > 0  # see `skip_hidden`
                 if cutlass.const_expr(cfg.skip_hidden):
-                    visible = self.sees_block(seqlen, n_lo, m_lo, wg_idx, offset, left, right)
+                    visible = (m_block >= wg_m_min) & (m_block < wg_m_max)
                     accumulate = dkv_started
                 front = (it, accumulate, stage, p_stage, tick, phases, sLSE_thr, sD_thr, t0ScS_mn, thr_key, thr_query,
                          seqlen, n_lo, m_lo, offset, left, right, pipeline_q, release_state, tiled_mma_SdP,
@@ -1073,14 +1076,25 @@ class FlashBwdSm90(TimelineCounters):
         """`skip_hidden`, a step whose block sees none of this warpgroup's keys: instead of
         `step_front`, dS^T is zero (the dQ GEMMs of both warpgroups read its rows) and the
         hand-overs of the previous step that `step_front` makes are made here."""
-        cfg = self.cfg
         rdS.fill(0.0)
+        self.hand_over_previous_dq(it, wg_idx)
+        if cutlass.const_expr(self.cfg.dk_after_dq):
+            warpgroup.wait_group(0)  # the previous block's dK GEMM, the last reader of its stage
+        self.release_previous_stage(it, pipeline_q, release_state)
+
+    @cute.jit
+    def hand_over_previous_dq(self, it, wg_idx):
+        """`dq_fence_late`: the previous block's dQ tile, stored by now, goes to the writer warp."""
+        cfg = self.cfg
         if cutlass.const_expr(cfg.dq_fence_late):
             if it > 0:
                 self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
-        if cutlass.const_expr(cfg.dk_after_dq):
+
+    @cute.jit
+    def release_previous_stage(self, it, pipeline_q, release_state):
+        """`dk_after_dq`: the previous block's stage, once its dK GEMM (the last reader) is done."""
+        if cutlass.const_expr(self.cfg.dk_after_dq):
             if it > 0:
-                warpgroup.wait_group(0)  # the previous block's dK GEMM, the last reader of its stage
                 pipeline_q.consumer_release(release_state)
                 release_state.advance()
 
@@ -1100,18 +1114,13 @@ class FlashBwdSm90(TimelineCounters):
                 warpgroup.wait_group(0)
 
     @cute.jit
-    def sees_block(self, seqlen: SeqlenInfo, n_lo, m_lo, wg_idx, offset, left, right):
-        """`skip_hidden`: whether any query of the block from `m_lo` sees any of this warpgroup's
-        64 keys (from `n_lo` + 64 `wg_idx`); False only where every pair is hidden (keys past
-        seqlen_k, right of the diagonal or window, left of the window)."""
+    def warpgroup_query_blocks(self, seqlen: SeqlenInfo, n_block, wg_idx, left, right) -> tuple:
+        """`skip_hidden`: [m_min, m_max), the query blocks that see any of this warpgroup's 64
+        keys (`BlockInfo.m_block_range` of 64-key blocks), empty where all 64 lie past seqlen_k."""
         cfg = self.cfg
-        key_lo = n_lo + 64 * wg_idx
-        sees = key_lo < seqlen.seqlen_k
-        if cutlass.const_expr(cfg.causal or cfg.local):
-            sees = sees & (key_lo <= m_lo + cfg.tile_m - 1 + offset + right)
-        if cutlass.const_expr(cfg.local):
-            sees = sees & (key_lo + 63 >= m_lo + offset - left)
-        return sees
+        key_block = n_block * (cfg.tile_n // 64) + wg_idx
+        m_min, m_max = BlockInfo(cfg.tile_m, 64, cfg.causal, cfg.local, left, right).m_block_range(seqlen, key_block)
+        return m_min, (m_max if key_block * 64 < seqlen.seqlen_k else m_min)
 
     @cute.jit
     def step_front(
@@ -1136,15 +1145,10 @@ class FlashBwdSm90(TimelineCounters):
         # room for the dP^T tile in flight next to dK and dV at head dim 128
         if cutlass.const_expr(not cfg.softcap):
             gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
-        if cutlass.const_expr(cfg.dq_fence_late):
-            if it > 0:  # the previous block's dQ tile is stored: hand it to the writer warp
-                self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
-        warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
+        self.hand_over_previous_dq(it, wg_idx)
+        warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in (and the previous dK)
         tick = self.tick(phases, 1, tick)
-        if cutlass.const_expr(cfg.dk_after_dq):
-            if it > 0:  # the previous block's dK GEMM, the last reader of its stage, is done
-                pipeline_q.consumer_release(release_state)
-                release_state.advance()
+        self.release_previous_stage(it, pipeline_q, release_state)
 
         if self.masked_block(seqlen, n_lo, m_lo, offset, left, right):
             limits = self.hidden_limits(seqlen, n_lo + thr_key, m_lo + thr_query, offset, left, right)
