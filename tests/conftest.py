@@ -4,6 +4,8 @@ import tempfile
 import pytest
 import torch
 
+from big_memory import one_at_a_time
+
 # The DSL caches compiled kernels on disk; keep test runs from writing to a shared folder.
 os.environ.setdefault("CUTE_DSL_CACHE_DIR", tempfile.mkdtemp(prefix="cute_dsl_cache_"))
 os.environ.setdefault("CUTE_FLASH_CACHE_DIR", tempfile.mkdtemp(prefix="cute_flash_cache_"))
@@ -29,3 +31,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _big_memory_tests_one_at_a_time(request):
+    """Tests marked `big_memory` run one at a time across pytest-xdist's workers (`big_memory.py`)."""
+    if request.node.get_closest_marker("big_memory") is None:
+        yield
+        return
+    release = torch.cuda.empty_cache if torch.cuda.is_available() else None
+    with one_at_a_time(os.environ.get("PYTEST_XDIST_TESTRUNUID"), release):
+        yield

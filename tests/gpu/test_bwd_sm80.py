@@ -228,6 +228,7 @@ def test_bwd_hd256_softcap_on_the_16_row_tile(monkeypatch, dtype, smem, mask, de
     _check_runs(q, k, v, args, deterministic, 3 if deterministic else 1)
 
 
+@pytest.mark.big_memory
 @pytest.mark.parametrize("d", [128, 256])
 def test_bwd_offsets_beyond_4gib(d):
     """K, V, dK and dV of more than 2^31 elements: batch 1 starts 4 GiB into each buffer (at head

@@ -254,6 +254,7 @@ def test_sm90_bwd_expanded_dout_is_accepted():
     check_backward(grads, dout, None, q, k, v, out, lse, args)
 
 
+@pytest.mark.big_memory
 def test_sm90_bwd_offsets_beyond_4gib():
     """K, V, dK and dV of more than 2^31 elements: batch 1 starts 4 GiB into each buffer. Its dk
     and dv must be bit-identical to the same call on a copy of batch 1 alone (their sums have a
@@ -272,6 +273,7 @@ def test_sm90_bwd_offsets_beyond_4gib():
     assert (dq[1:] - alone_dq).abs().max().item() <= 2**-6 * scale
 
 
+@pytest.mark.big_memory
 def test_sm90_bwd_dq_accumulator_beyond_4gib():
     """Q, dO and dQ of more than 2^31 elements (their last rows past it), and a flat dQ
     accumulator (`dq_flat`) of 8 GiB whose last head starts 7 GiB in. With 128 keys (one key

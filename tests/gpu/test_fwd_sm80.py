@@ -279,6 +279,7 @@ def test_fwd_non_contiguous_inputs():
     _check(q, k, v, _args(64, causal=True, window_right=0))
 
 
+@pytest.mark.big_memory
 def test_fwd_offsets_beyond_4gib():
     check_offsets_beyond_4gib(_backend())
 

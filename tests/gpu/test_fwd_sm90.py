@@ -211,6 +211,7 @@ def test_sm90_fwd_non_contiguous_inputs():
     _check(q, k, v, _args(64, True))
 
 
+@pytest.mark.big_memory
 def test_sm90_fwd_offsets_beyond_4gib():
     check_offsets_beyond_4gib(_backend())
 

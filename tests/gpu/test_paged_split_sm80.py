@@ -406,6 +406,7 @@ def test_cuda_graph_captured_at_maximum_sizes_replays_shorter_sequences(page_siz
 # ------------------------------------------------------------------------------------------------
 # caches beyond 4 GiB
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.big_memory
 def test_paged_cache_beyond_4gib_reads_its_last_pages():
     """k and v of 6 GiB each; the sequences live in the last pages, whose byte offsets need more
     than 32 bits. Every other page is NaN, so a wrapped address shows."""

@@ -189,6 +189,7 @@ def test_unaligned_pointers_and_odd_strides(backend):
     _check(backend, q, k, v, call)
 
 
+@pytest.mark.big_memory
 def test_offsets_past_2_to_the_31_elements(backend):
     """Keys at element offsets >= 2^31 (4 GiB of fp16 per tensor): 64-bit address arithmetic.
     A window keeps the work at the end of the keys; the oracle sees only that tail, which
