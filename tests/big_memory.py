@@ -1,9 +1,10 @@
 """One `big_memory` test at a time across pytest-xdist's workers.
 
-The tests past 4 GiB hold 10-40 GB of GPU memory each. Run side by side in several workers
-(`pytest -m gpu -n 16` on an 80 GB card) they ran the card out of memory, and took small tests
-of the other workers down with them; one at a time they pass. Each waits here for an exclusive
-lock on a file that the workers of one run share (named by xdist's run id), and hands its cached
+The tests past 4 GiB hold several GB of GPU memory each (k and v alone 4-6 GiB apiece). In a run
+of `pytest -m gpu -n 16` on an 80 GB card, three of them and four small tests running beside them
+failed, and two of those passed when run again alone: most likely the workers held more memory at
+once than the card has. Each waits here for an exclusive lock on a file that the workers of one
+run share (named by xdist's run id; the empty file stays in the temp folder), and hands its cached
 memory back to the driver before it lets the next one in.
 """
 from __future__ import annotations
