@@ -23,21 +23,12 @@ def lock_path(run_id: str) -> str:
 @contextlib.contextmanager
 def one_at_a_time(run_id: str | None, release=None):
     """Hold the run's lock while the body runs (no lock without xdist: `run_id` None), then call
-    `release` (the CUDA caching allocator's `empty_cache`) before unlocking."""
-    if run_id is None:
-        try:
-            yield
-        finally:
-            if release is not None:
-                release()
-        return
-    with open(lock_path(run_id), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            try:
-                if release is not None:
-                    release()
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+    `release` (the CUDA caching allocator's `empty_cache`) before unlocking, even if the body raised."""
+    with contextlib.ExitStack() as stack:  # its callbacks run last in, first out
+        if run_id is not None:
+            f = stack.enter_context(open(lock_path(run_id), "a"))
+            fcntl.flock(f, fcntl.LOCK_EX)
+            stack.callback(fcntl.flock, f, fcntl.LOCK_UN)
+        if release is not None:
+            stack.callback(release)
+        yield
