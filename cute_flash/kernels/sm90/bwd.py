@@ -978,13 +978,15 @@ class FlashBwdSm90(TimelineCounters):
                          thr_mma_SdP, tSrK, tSrQ, tdPrV, tdPrdO, rP, rdS, stsm_dS, tdSsdS, tiled_mma_dV, acc_dV,
                          tdVrP, tdVrdOt, tiled_mma_dK, acc_dK, tdKrdS, tdKrQt, wg_idx, softmax_scale_log2,
                          softcap_prescale)
+                # `release_state` comes back from the helpers that advance it: the loop carries
+                # from one step to the next only what its own body assigns or calls a method of
                 if cutlass.const_expr(visible is None):
-                    tick = self.step_front(*front)
+                    tick, release_state = self.step_front(*front)
                 else:
                     if visible:
-                        tick = self.step_front(*front)
+                        tick, release_state = self.step_front(*front)
                     else:
-                        self.skip_front(it, rdS, pipeline_q, release_state, wg_idx)
+                        release_state = self.skip_front(it, rdS, pipeline_q, release_state, wg_idx)
 
                 # dS^T of this warpgroup's keys -> shared memory -> dQ partial
                 ds_stage = it % cfg.ds_stages
@@ -1075,12 +1077,13 @@ class FlashBwdSm90(TimelineCounters):
     def skip_front(self, it, rdS, pipeline_q, release_state, wg_idx):
         """`skip_hidden`, a step whose block sees none of this warpgroup's keys: instead of
         `step_front`, dS^T is zero (the dQ GEMMs of both warpgroups read its rows) and the
-        hand-overs of the previous step that `step_front` makes are made here."""
+        hand-overs of the previous step that `step_front` makes are made here. Returns
+        `release_state` (see `release_previous_stage`)."""
         rdS.fill(0.0)
         self.hand_over_previous_dq(it, wg_idx)
         if cutlass.const_expr(self.cfg.dk_after_dq):
             warpgroup.wait_group(0)  # the previous block's dK GEMM, the last reader of its stage
-        self.release_previous_stage(it, pipeline_q, release_state)
+        return self.release_previous_stage(it, pipeline_q, release_state)
 
     @cute.jit
     def hand_over_previous_dq(self, it, wg_idx):
@@ -1092,11 +1095,16 @@ class FlashBwdSm90(TimelineCounters):
 
     @cute.jit
     def release_previous_stage(self, it, pipeline_q, release_state):
-        """`dk_after_dq`: the previous block's stage, once its dK GEMM (the last reader) is done."""
+        """`dk_after_dq`: the previous block's stage, once its dK GEMM (the last reader) is done.
+        Returns the state advanced past it, which the caller's loop must assign: the DSL carries a
+        value from one step of a loop to the next only where the loop's own body assigns it or calls
+        a method of it, so an advance made in here alone would be lost (every step would release
+        the first stage again, and the producer would wait for the second forever)."""
         if cutlass.const_expr(self.cfg.dk_after_dq):
             if it > 0:
                 pipeline_q.consumer_release(release_state)
                 release_state.advance()
+        return release_state
 
     @cute.jit
     def issue_dk_wait_dq(self, visible, tiled_mma_dK: cute.TiledMma, acc_dK, tdKrdS, tdKrQt, accumulate):
@@ -1132,7 +1140,8 @@ class FlashBwdSm90(TimelineCounters):
     ):
         """A step of `consume` up to dS^T in registers: S^T and dP^T issued, P^T formed (and dV
         issued), dS^T formed (and, in the schedules that issue it there, dK). `accumulate`: whether
-        dV and dK add to their accumulators (False at their first GEMM). Returns the timeline's tick."""
+        dV and dK add to their accumulators (False at their first GEMM). Returns the timeline's tick
+        and `release_state` (see `release_previous_stage`)."""
         cfg = self.cfg
         tile_S = (cfg.tile_n, cfg.tile_m)
         lse_r = None
@@ -1148,7 +1157,7 @@ class FlashBwdSm90(TimelineCounters):
         self.hand_over_previous_dq(it, wg_idx)
         warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in (and the previous dK)
         tick = self.tick(phases, 1, tick)
-        self.release_previous_stage(it, pipeline_q, release_state)
+        release_state = self.release_previous_stage(it, pipeline_q, release_state)
 
         if self.masked_block(seqlen, n_lo, m_lo, offset, left, right):
             limits = self.hidden_limits(seqlen, n_lo + thr_key, m_lo + thr_query, offset, left, right)
@@ -1180,7 +1189,7 @@ class FlashBwdSm90(TimelineCounters):
             gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], accumulate)
         if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq and not cfg.dkv_split):
             gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate)
-        return tick
+        return tick, release_state
 
     @cute.jit
     def consume_keys_n(
