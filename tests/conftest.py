@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from big_memory import one_at_a_time
+from hang_watchdog import ended_if_hung, limit_s
 
 # The DSL caches compiled kernels on disk; keep test runs from writing to a shared folder.
 os.environ.setdefault("CUTE_DSL_CACHE_DIR", tempfile.mkdtemp(prefix="cute_dsl_cache_"))
@@ -41,4 +42,15 @@ def _big_memory_tests_one_at_a_time(request):
         return
     release = torch.cuda.empty_cache if torch.cuda.is_available() else None
     with one_at_a_time(os.environ.get("PYTEST_XDIST_TESTRUNUID"), release):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_end_if_hung(request, _big_memory_tests_one_at_a_time):
+    """A GPU test still running after `hang_watchdog.limit_s()` (counted once it holds the
+    `big_memory` lock, if it takes one) ends its process with every thread's stack on stderr."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    with ended_if_hung(limit_s()):
         yield
