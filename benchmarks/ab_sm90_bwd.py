@@ -19,9 +19,7 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   (`64 keys`), the row-major dQ tile in place of the flat one (`row-major dQ`, and with the
   swap where the tile's columns allow it, `row-major dQ swapped`), dQ written by the main kernel's
   conversion CTAs instead of the postprocess kernel (`in-kernel dQ`), with a causal mask the masked
-  path's verdicts by a comparison per (key, query) pair instead of bit masks (`compares`), a
-  warpgroup's GEMMs skipped on blocks that see none of its keys (`skip hidden`, not on the
-  column-split tiles), and
+  path's verdicts by a comparison per (key, query) pair instead of bit masks (`compares`), and
   `deterministic` (ordered dQ reduce-adds, without clusters or rotation);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
@@ -106,10 +104,6 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if shipped.causal or shipped.local:
         # the masked path's (key, query) verdicts by a comparison each instead of bit masks
         flips.append(("compares", {"mask_bits": False}))
-    if not shipped.dkv_split:
-        # a warpgroup skips the GEMMs of a block that sees none of its keys
-        flips.append(("no skip hidden" if shipped.skip_hidden else "skip hidden",
-                      {"skip_hidden": not shipped.skip_hidden}))
     # each CTA's walk over the query blocks from a start spread over the range, or from the first
     flips.append(("no rotate" if shipped.rotate_queries else "rotate", {"rotate_queries": not shipped.rotate_queries}))
     flips.append((f"{shipped.num_stages + 1} stages", {"num_stages": shipped.num_stages + 1}))

@@ -5,9 +5,10 @@ the names its body assigns or calls a method of (`state.advance()` in the body i
 that advances a state it was passed changes a Python object the loop does not carry: at the next
 step the state is back where the loop last saw it. In the sm_90 backward that released the same
 (Q, dO) stage at every step and the producer waited forever for the other one (the 64-row tile of
-head dim 64, ad107b7 to 815af67). The rule checked here, over every kernel source: a function
-that advances a parameter (itself, or through a helper) returns it, and every call of it assigns
-the returned state back to the name it passed.
+head dim 64, from ad107b7, whose `skip_hidden` option moved the release into a helper, until
+133f81c). The rule checked here, over every kernel source: a function that advances a parameter
+(itself, or through a helper) returns it, and every call of it assigns the returned state back
+to the name it passed.
 """
 from __future__ import annotations
 
@@ -104,14 +105,11 @@ def lost_advances(source: str) -> list[str]:
 
 
 def test_kernel_sources_return_the_states_their_helpers_advance():
-    sources = sorted(KERNELS.rglob("*.py"))
-    assert len(sources) > 10
-    problems = [f"{path.relative_to(KERNELS)}: {p}" for path in sources for p in lost_advances(path.read_text())]
+    sources = {path: path.read_text() for path in sorted(KERNELS.rglob("*.py"))}
+    # not vacuous: the scan reads the kernels whose loops advance pipeline states
+    assert sum(text.count(".advance()") for text in sources.values()) >= 10
+    problems = [f"{path.relative_to(KERNELS)}: {p}" for path, text in sources.items() for p in lost_advances(text)]
     assert problems == []
-    # not vacuous: the sm_90 backward's helpers are seen to advance the release state
-    bwd = advanced_params(ast.parse((KERNELS / "sm90" / "bwd.py").read_text()))
-    assert bwd["release_previous_stage"] == {"release_state"}
-    assert {"step_front", "skip_front"} <= set(bwd)
 
 
 DEADLOCKED = """

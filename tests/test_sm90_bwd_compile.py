@@ -178,9 +178,9 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
 
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
-    # each one is compiled and audited (+ 3 row-major dQ tiles, 11 with the in-kernel dQ, a
-    # comparison-masked tile and 4 that skip hidden blocks, for A/B)
-    assert len(configs) <= 54
+    # each one is compiled and audited (+ 3 row-major dQ tiles, 11 with the in-kernel dQ and a
+    # comparison-masked tile for A/B)
+    assert len(configs) <= 50
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -227,19 +227,6 @@ def test_sm90_bwd_conversion_ctas_take_flat_accumulators_of_unordered_calls_only
     with pytest.raises(ValueError, match="dq_convert"):
         bc.make_config("bfloat16", 128, 128, varlen_q=True, varlen_k=True, dq_convert=True)
     assert bc.make_config("bfloat16", 128, 128, seqused_k=True, dq_convert=True).dq_convert
-
-
-def test_sm90_bwd_skip_hidden_is_an_ab_option_of_the_tiles_whose_warpgroups_own_their_keys():
-    """`skip_hidden` (an A/B option that make_config leaves off): any mask and sequence feature
-    on the tiles of head dims 64-128, where each warpgroup owns 64 keys; the column-split tiles,
-    whose warpgroups share theirs, refuse it."""
-    for d in (64, 96, 128):
-        for mask in ({}, {"causal": True}, {"local": True, "varlen_q": True, "varlen_k": True}):
-            assert not bc.make_config("bfloat16", d, d, **mask).skip_hidden
-            assert bc.make_config("bfloat16", d, d, skip_hidden=True, **mask).skip_hidden, (d, mask)
-    for d, dv in ((192, 192), (256, 256), (192, 128)):
-        with pytest.raises(ValueError, match="skip_hidden"):
-            bc.make_config("bfloat16", d, dv, causal=True, skip_hidden=True)
 
 
 def test_sm90_bwd_q_clusters_pair_key_blocks_of_unmasked_calls_up_to_head_dim_128():
@@ -538,9 +525,6 @@ COMPILED = [
     bc.make_config("bfloat16", 192, 192, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True),
     # the profiling build (`timeline`): counters that spilled or serialized would measure nothing
     replace(bc.make_config("bfloat16", 128, 128, causal=True), timeline=True),
-    # blocks a warpgroup sees none of skipped (`skip_hidden`, A/B), with every mask and sequence feature
-    bc.make_config("bfloat16", 128, 128, local=True, softcap=True, varlen_q=True, varlen_k=True, seqused_k=True,
-                   skip_hidden=True),
 ]
 
 

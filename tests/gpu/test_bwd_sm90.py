@@ -441,34 +441,6 @@ def _flag_matches_the_shipped_kernel(case, flag: str):
     return main
 
 
-SKIP_HIDDEN_CASES = [
-    # (d, seqlen_q, seqlen_k, heads, heads_k, mask): the causal diagonal's first block (the second
-    # warpgroup's keys right of every query), with the diagonal moved both ways by unequal
-    # lengths; a window that leaves keys visible to no query at all (dK, dV zero with no GEMM
-    # run); key tails whose last 64 keys lie past seqlen_k; soft-capping
-    (128, 1024, 1024, 4, 4, {"causal": True}),
-    (128, 1537, 1000, 4, 2, {"causal": True}),
-    (128, 700, 1111, 4, 4, {"causal": True}),
-    (128, 1111, 1111, 6, 2, {"window_left": 100, "window_right": 30}),
-    (128, 300, 2000, 4, 4, {"window_left": 20, "window_right": 20}),
-    (128, 999, 1050, 4, 4, {}),
-    (96, 1000, 1001, 4, 4, {"causal": True}),
-    (64, 1025, 1025, 8, 8, {"causal": True}),
-    (64, 777, 1050, 4, 2, {"window_left": 64, "window_right": 0}),
-    (128, 900, 900, 4, 4, {"causal": True, "softcap": 20.0}),
-]
-
-
-@pytest.mark.parametrize("case", SKIP_HIDDEN_CASES)
-def test_sm90_bwd_skipping_hidden_warpgroup_blocks_changes_nothing(case):
-    """`skip_hidden` (an A/B option): a warpgroup that no query of a block sees skips its GEMMs
-    there and writes zeros as its dS^T rows. Against the oracle, and against the same kernel
-    without it with every gradient NaN-poisoned first: dK and dV bitwise (the skipped GEMMs add
-    exact zeros), dQ up to its reduce-adds' float32 order."""
-    main = _flag_matches_the_shipped_kernel(case, "skip_hidden")
-    assert not main.dkv_split, main.name
-
-
 def test_sm90_bwd_q_clusters_only_where_both_ctas_walk_the_same_queries():
     """`cluster_q` needs an even number of key blocks, no mask and a head dim up to 96; other
     calls keep single CTAs (and still pass the oracle)."""

@@ -919,7 +919,6 @@ class FlashBwdSm90(TimelineCounters):
         t0ScS_mn = acc_mn_view(acc_as_mma_sync(tiled_mma_SdP.get_slice(0).partition_C(cS)))
         rP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
         rdS = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
-        tdVrP = tdKrdS = None  # `dkv_split`: P^T and dS^T come from shared memory
         if cutlass.const_expr(not cfg.dkv_split):
             tdVrP = probs_as_operand_a(rP, thr_mma_dV, tile_S)
             tdKrdS = probs_as_operand_a(rdS, thr_mma_dK, tile_S)
@@ -949,10 +948,6 @@ class FlashBwdSm90(TimelineCounters):
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             if cutlass.const_expr(cfg.timeline):
                 phases.fill(0)
-            dkv_started = cutlass.Boolean(False)  # `skip_hidden`: whether dK and dV have had a GEMM
-            wg_m_min = wg_m_max = None
-            if cutlass.const_expr(cfg.skip_hidden):
-                wg_m_min, wg_m_max = self.warpgroup_query_blocks(seqlen, n_block, wg_idx, left, right)
             for it in cutlass.range(walk.steps, unroll=1):
                 head, m_block = walk.coords(it)
                 m_lo = m_block * cfg.tile_m
@@ -968,25 +963,57 @@ class FlashBwdSm90(TimelineCounters):
                 # this thread's LSE and D: its first query's entry + thread 0's column (immediates)
                 sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
                 sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
-                p_stage = cfg.ds_stages + it % cfg.p_stages if cutlass.const_expr(cfg.dkv_split) else None
-                visible, accumulate = None, it > 0  # see `skip_hidden`
-                if cutlass.const_expr(cfg.skip_hidden):
-                    visible = (m_block >= wg_m_min) & (m_block < wg_m_max)
-                    accumulate = dkv_started
-                front = (it, accumulate, stage, p_stage, tick, phases, sLSE_thr, sD_thr, t0ScS_mn, thr_key, thr_query,
-                         seqlen, n_lo, m_lo, offset, left, right, pipeline_q, release_state, tiled_mma_SdP,
-                         thr_mma_SdP, tSrK, tSrQ, tdPrV, tdPrdO, rP, rdS, stsm_dS, tdSsdS, tiled_mma_dV, acc_dV,
-                         tdVrP, tdVrdOt, tiled_mma_dK, acc_dK, tdKrdS, tdKrQt, wg_idx, softmax_scale_log2,
-                         softcap_prescale)
-                # `release_state` comes back from the helpers that advance it: the loop carries
-                # from one step to the next only what its own body assigns or calls a method of
-                if cutlass.const_expr(visible is None):
-                    tick, release_state = self.step_front(*front)
+                lse_r = None
+                if cutlass.const_expr(cfg.stats_early):
+                    lse_r = self.thread_stats(sLSE_thr, t0ScS_mn)
+                acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
+                acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
+                gemm(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+                # dP^T runs while P^T is computed, except with soft-capping, whose tanh leaves no
+                # room for the dP^T tile in flight next to dK and dV at head dim 128
+                if cutlass.const_expr(not cfg.softcap):
+                    gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+                if cutlass.const_expr(cfg.dq_fence_late):
+                    if it > 0:  # the previous block's dQ tile is stored: hand it to the writer warp
+                        self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
+                warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
+                tick = self.tick(phases, 1, tick)
+                if cutlass.const_expr(cfg.dk_after_dq):
+                    if it > 0:  # the previous block's dK GEMM, the last reader of its stage, is done
+                        pipeline_q.consumer_release(release_state)
+                        release_state.advance()
+
+                if self.masked_block(seqlen, n_lo, m_lo, offset, left, right):
+                    limits = self.hidden_limits(seqlen, n_lo + thr_key, m_lo + thr_query, offset, left, right)
+                    self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
                 else:
-                    if visible:
-                        tick, release_state = self.step_front(*front)
-                    else:
-                        release_state = self.skip_front(it, rdS, pipeline_q, release_state, wg_idx)
+                    self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
+                if cutlass.const_expr(cfg.softcap):
+                    gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+                else:
+                    rP.store(acc_S.load().to(self.dtype))
+                if cutlass.const_expr(cfg.dkv_split):
+                    p_stage = cfg.ds_stages + it % cfg.p_stages
+                    cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, p_stage])
+                elif cutlass.const_expr(not cfg.dv_after_ds):
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
+                # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
+                # from being live together
+                warpgroup.wait_group(1 if cutlass.const_expr(cfg.overlap_dv and not cfg.softcap) else 0)
+                tick = self.tick(phases, 2, tick)
+
+                # dS^T = P^T (dP^T - D), with soft-capping P^T (1 - tanh^2) (dP^T - D)
+                acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
+                acc_dP_mn = acc_mn_view(acc_as_mma_sync(acc_dP))
+                for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
+                    d_row = sD_thr[t0ScS_mn[0, c][1]]
+                    for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
+                rdS.store(acc_dP.load().to(self.dtype))
+                if cutlass.const_expr(cfg.dv_after_ds):
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
+                if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq and not cfg.dkv_split):
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
 
                 # dS^T of this warpgroup's keys -> shared memory -> dQ partial
                 ds_stage = it % cfg.ds_stages
@@ -1006,16 +1033,15 @@ class FlashBwdSm90(TimelineCounters):
                 if cutlass.const_expr(cfg.dkv_split):
                     # P^T and dS^T of both warpgroups are in shared memory
                     gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVsP[None, None, None, p_stage],
-                                       tdVrdOt[None, None, None, stage], accumulate)
+                                       tdVrdOt[None, None, None, stage], it > 0)
                     gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKsdS[None, None, None, ds_stage],
-                                       tdKrQt[None, None, None, stage], accumulate)
+                                       tdKrQt[None, None, None, stage], it > 0)
                 acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)),
                                                Float32)
                 gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
                 if cutlass.const_expr(cfg.dk_after_dq or cfg.dk_behind_dq):
-                    # dQ (and dV) in: the end of every read of sdS
-                    self.issue_dk_wait_dq(visible, tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage],
-                                          accumulate)
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
+                    warpgroup.wait_group(1)  # dQ (and dV) in; the end of every read of sdS
                 else:
                     warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
                     pipeline_q.consumer_release(state)
@@ -1039,8 +1065,6 @@ class FlashBwdSm90(TimelineCounters):
                 tick = self.tick(phases, 6, tick)
                 if cutlass.const_expr(cfg.timeline):
                     phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
-                if cutlass.const_expr(cfg.skip_hidden):
-                    dkv_started = dkv_started | visible
             self.stamp(stamps, 4)
             if cutlass.const_expr(cfg.timeline):
                 if walk.steps <= 2:  # no third step: its stamp is the end of the walk
@@ -1055,10 +1079,6 @@ class FlashBwdSm90(TimelineCounters):
                     cute.arch.cp_async_bulk_wait_group(0)  # every reduce-add done before the CTA leaves
 
             # ---- epilogue: dK (scaled) and dV in the input dtype ----
-            if cutlass.const_expr(cfg.skip_hidden):
-                if not dkv_started:  # this warpgroup's keys are visible to none of the walk's queries
-                    acc_dK.fill(0.0)
-                    acc_dV.fill(0.0)
             acc_dK.store(acc_dK.load() * softmax_scale)
             if cutlass.const_expr(cfg.dkv_staged):
                 sdK, sdV = self.staging_tile(sQ, cfg.head_dim), self.staging_tile(sdO, cfg.head_dim_v)
@@ -1072,124 +1092,6 @@ class FlashBwdSm90(TimelineCounters):
         else:  # no query block sees these keys
             self.store_rows(None, mdK, seqlen, batch, head_k, n_block, cfg.head_dim, tiled_mma_dK, ctidx)
             self.store_rows(None, mdV, seqlen, batch, head_k, n_block, cfg.head_dim_v, tiled_mma_dV, ctidx)
-
-    @cute.jit
-    def skip_front(self, it, rdS, pipeline_q, release_state, wg_idx):
-        """`skip_hidden`, a step whose block sees none of this warpgroup's keys: instead of
-        `step_front`, dS^T is zero (the dQ GEMMs of both warpgroups read its rows) and the
-        hand-overs of the previous step that `step_front` makes are made here. Returns
-        `release_state` (see `release_previous_stage`)."""
-        rdS.fill(0.0)
-        self.hand_over_previous_dq(it, wg_idx)
-        if cutlass.const_expr(self.cfg.dk_after_dq):
-            warpgroup.wait_group(0)  # the previous block's dK GEMM, the last reader of its stage
-        return self.release_previous_stage(it, pipeline_q, release_state)
-
-    @cute.jit
-    def hand_over_previous_dq(self, it, wg_idx):
-        """`dq_fence_late`: the previous block's dQ tile, stored by now, goes to the writer warp."""
-        cfg = self.cfg
-        if cutlass.const_expr(cfg.dq_fence_late):
-            if it > 0:
-                self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
-
-    @cute.jit
-    def release_previous_stage(self, it, pipeline_q, release_state):
-        """`dk_after_dq`: the previous block's stage, once its dK GEMM (the last reader) is done.
-        Returns the state advanced past it, which the caller's loop must assign: the DSL carries a
-        value from one step of a loop to the next only where the loop's own body assigns it or calls
-        a method of it, so an advance made in here alone would be lost (every step would release
-        the first stage again, and the producer would wait for the second forever)."""
-        if cutlass.const_expr(self.cfg.dk_after_dq):
-            if it > 0:
-                pipeline_q.consumer_release(release_state)
-                release_state.advance()
-        return release_state
-
-    @cute.jit
-    def issue_dk_wait_dq(self, visible, tiled_mma_dK: cute.TiledMma, acc_dK, tdKrdS, tdKrQt, accumulate):
-        """dK += dS^T Q issued behind the dQ GEMM, which is then waited for (and dV with it), dK
-        left in flight; with `skip_hidden` (`visible` not None), where the warpgroup skipped the
-        block, no dK GEMM and a wait for everything."""
-        if cutlass.const_expr(visible is None):
-            gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt, accumulate)
-            warpgroup.wait_group(1)
-        else:
-            if visible:
-                gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt, accumulate)
-                warpgroup.wait_group(1)
-            else:
-                warpgroup.wait_group(0)
-
-    @cute.jit
-    def warpgroup_query_blocks(self, seqlen: SeqlenInfo, n_block, wg_idx, left, right) -> tuple:
-        """`skip_hidden`: [m_min, m_max), the query blocks that see any of this warpgroup's 64
-        keys (`BlockInfo.m_block_range` of 64-key blocks), empty where all 64 lie past seqlen_k."""
-        cfg = self.cfg
-        key_block = n_block * (cfg.tile_n // 64) + wg_idx
-        m_min, m_max = BlockInfo(cfg.tile_m, 64, cfg.causal, cfg.local, left, right).m_block_range(seqlen, key_block)
-        return m_min, (m_max if key_block * 64 < seqlen.seqlen_k else m_min)
-
-    @cute.jit
-    def step_front(
-        self, it, accumulate, stage, p_stage, tick, phases, sLSE_thr, sD_thr, t0ScS_mn, thr_key, thr_query,
-        seqlen: SeqlenInfo, n_lo, m_lo, offset, left, right, pipeline_q, release_state,
-        tiled_mma_SdP: cute.TiledMma, thr_mma_SdP, tSrK, tSrQ, tdPrV, tdPrdO, rP, rdS, stsm_dS, tdSsdS,
-        tiled_mma_dV: cute.TiledMma, acc_dV, tdVrP, tdVrdOt, tiled_mma_dK: cute.TiledMma, acc_dK, tdKrdS, tdKrQt,
-        wg_idx, softmax_scale_log2, softcap_prescale,
-    ):
-        """A step of `consume` up to dS^T in registers: S^T and dP^T issued, P^T formed (and dV
-        issued), dS^T formed (and, in the schedules that issue it there, dK). `accumulate`: whether
-        dV and dK add to their accumulators (False at their first GEMM). Returns the timeline's tick
-        and `release_state` (see `release_previous_stage`)."""
-        cfg = self.cfg
-        tile_S = (cfg.tile_n, cfg.tile_m)
-        lse_r = None
-        if cutlass.const_expr(cfg.stats_early):
-            lse_r = self.thread_stats(sLSE_thr, t0ScS_mn)
-        acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
-        acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
-        gemm(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
-        # dP^T runs while P^T is computed, except with soft-capping, whose tanh leaves no
-        # room for the dP^T tile in flight next to dK and dV at head dim 128
-        if cutlass.const_expr(not cfg.softcap):
-            gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
-        self.hand_over_previous_dq(it, wg_idx)
-        warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in (and the previous dK)
-        tick = self.tick(phases, 1, tick)
-        release_state = self.release_previous_stage(it, pipeline_q, release_state)
-
-        if self.masked_block(seqlen, n_lo, m_lo, offset, left, right):
-            limits = self.hidden_limits(seqlen, n_lo + thr_key, m_lo + thr_query, offset, left, right)
-            self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
-        else:
-            self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
-        if cutlass.const_expr(cfg.softcap):
-            gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
-        else:
-            rP.store(acc_S.load().to(self.dtype))
-        if cutlass.const_expr(cfg.dkv_split):
-            cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, p_stage])
-        elif cutlass.const_expr(not cfg.dv_after_ds):
-            gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], accumulate)
-        # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
-        # from being live together
-        warpgroup.wait_group(1 if cutlass.const_expr(cfg.overlap_dv and not cfg.softcap) else 0)
-        tick = self.tick(phases, 2, tick)
-
-        # dS^T = P^T (dP^T - D), with soft-capping P^T (1 - tanh^2) (dP^T - D)
-        acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
-        acc_dP_mn = acc_mn_view(acc_as_mma_sync(acc_dP))
-        for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
-            d_row = sD_thr[t0ScS_mn[0, c][1]]
-            for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
-        rdS.store(acc_dP.load().to(self.dtype))
-        if cutlass.const_expr(cfg.dv_after_ds):
-            gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], accumulate)
-        if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq and not cfg.dkv_split):
-            gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate)
-        return tick, release_state
 
     @cute.jit
     def consume_keys_n(

@@ -350,17 +350,6 @@ class Sm90BwdConfig:
     # hd64 0.753 against 0.764, hd96 0.767 / 0.772, hd192 0.737 / 0.753 (5 rounds), hd128 0.653 /
     # 0.654 (7 rounds); 8 x 2048 hd64 0.880 / 0.885, hd128 0.772 / 0.769; 2 x 8192 hd128 2.387 / 2.393.
     mask_bits: bool = True
-    # A warpgroup whose 64 keys no query of a block sees (the causal diagonal's first block with
-    # 128 keys over 64 queries: the second warpgroup's keys all lie right of the diagonal; keys
-    # past seqlen_k; window edges) skips that block's S^T, dP^T, dV and dK GEMMs and the
-    # softmax, and writes zeros as its rows of dS^T for the dQ GEMMs of both warpgroups. A run-time
-    # test per step and warpgroup against its query blocks (`FlashBwdSm90.warpgroup_query_blocks`);
-    # dK and dV start from their first GEMM that runs (zero where none does). Not on the
-    # column-split tiles (`dkv_split`), whose warpgroups share their keys. An A/B option that
-    # `make_config` does not set: on an H100 (bf16, causal, `benchmarks/ab_sm90_bwd.py --variants
-    # "skip hidden" --rounds 5`, medians) it ran 0.9-2.6% slower at 2 x 8192 (head dims 64, 96,
-    # 128) and level to 2.3% slower at 8 x 2048.
-    skip_hidden: bool = False
 
     num_threads = 128 * (NUM_CONSUMER_WGS + 1)
     registers = REGISTERS
@@ -407,8 +396,6 @@ class Sm90BwdConfig:
             raise ValueError("dq_rows and dq_split exclude each other")
         if self.dk_behind_dq and self.dk_after_dq:
             raise ValueError("dk_behind_dq and dk_after_dq exclude each other")
-        if self.skip_hidden and self.dkv_split:
-            raise ValueError("skip_hidden skips a warpgroup's own keys; the column-split tile (dkv_split) shares them")
         if self.dq_fence_late and not self.dq_writer:
             raise ValueError("dq_fence_late needs dq_writer")
         if self.dq_flat and (not self.dq_writer or self.varlen_q or self.dq_swap):
@@ -528,7 +515,7 @@ class Sm90BwdConfig:
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
                              "keys_n", "single_dout", "dq_swap", "dq_flat", "dq_convert", "timeline", "cluster_q",
-                             "rotate_queries", "deterministic", "skip_hidden") if getattr(self, f)]
+                             "rotate_queries", "deterministic") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
@@ -700,11 +687,6 @@ def shipped_configs() -> list:
     # the masked path by a comparison per pair instead of bit masks, for A/B (at head dim 128,
     # whose registers are the tightest)
     configs += [make_config("bfloat16", 128, 128, causal=True, mask_bits=False)]
-    # a warpgroup's GEMMs skipped on blocks that see none of its keys (`skip_hidden`), for A/B,
-    # on the tiles that take it, and with every mask and sequence feature at head dim 128
-    configs += [make_config("bfloat16", d, d, causal=True, skip_hidden=True) for d in (64, 96, 128)]
-    configs += [make_config("bfloat16", 128, 128, local=True, softcap=True, varlen_q=True, varlen_k=True,
-                            seqused_k=True, skip_hidden=True)]
     return configs
 
 
