@@ -31,7 +31,25 @@ def _callee(call: ast.Call) -> str | None:
     return f.id if isinstance(f, ast.Name) else None
 
 
-def _returned_names(fn: ast.FunctionDef, adv: dict[str, set[str]], fns: list) -> set[str]:
+def _functions(tree: ast.Module) -> tuple[list, dict[str, list[str]]]:
+    """The functions of `tree` and each name's parameters (the first function of a name)."""
+    fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    params_of: dict[str, list[str]] = {}
+    for fn in fns:
+        params_of.setdefault(fn.name, _params(fn))
+    return fns, params_of
+
+
+def _advanced_args(call: ast.Call, adv: dict[str, set[str]], params_of: dict[str, list[str]]) -> set[str]:
+    """The names `call` passes where its callee takes a parameter it advances (none through `*args`)."""
+    callee = _callee(call)
+    if callee not in adv or any(isinstance(a, ast.Starred) for a in call.args):
+        return set()
+    return {arg.id for name, arg in zip(params_of[callee], call.args)
+            if name in adv[callee] and isinstance(arg, ast.Name)}
+
+
+def _returned_names(fn: ast.FunctionDef, adv: dict[str, set[str]], params_of: dict[str, list[str]]) -> set[str]:
     """The names `fn` returns, directly or as the result of a call that advances and returns them."""
     names = set()
     for node in ast.walk(fn):
@@ -40,22 +58,15 @@ def _returned_names(fn: ast.FunctionDef, adv: dict[str, set[str]], fns: list) ->
             for v in values:
                 if isinstance(v, ast.Name):
                     names.add(v.id)
-                elif isinstance(v, ast.Call) and _callee(v) in adv:
-                    names |= _advanced_args(v, adv, fns)
+                elif isinstance(v, ast.Call):
+                    names |= _advanced_args(v, adv, params_of)
     return names
-
-
-def _advanced_args(call: ast.Call, adv: dict[str, set[str]], fns: list) -> set[str]:
-    """The names `call` passes where its callee takes a parameter it advances."""
-    callee_params = [_params(g) for g in fns if g.name == _callee(call)][0]
-    return {arg.id for name, arg in zip(callee_params, call.args)
-            if name in adv[_callee(call)] and isinstance(arg, ast.Name)}
 
 
 def advanced_params(tree: ast.Module) -> dict[str, set[str]]:
     """Function name -> the parameters it advances, directly (`p.advance()`) or by passing them to
     a function that does (functions of the same name are merged)."""
-    fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    fns, params_of = _functions(tree)
     adv: dict[str, set[str]] = {}
     changed = True
     while changed:
@@ -68,12 +79,7 @@ def advanced_params(tree: ast.Module) -> dict[str, set[str]]:
                 if (isinstance(f, ast.Attribute) and f.attr == "advance" and isinstance(f.value, ast.Name)
                         and f.value.id in params):
                     found.add(f.value.id)
-                callee = _callee(call)
-                if callee in adv and not any(isinstance(a, ast.Starred) for a in call.args):
-                    callee_params = [_params(g) for g in fns if g.name == callee][0]
-                    for name, arg in zip(callee_params, call.args):
-                        if name in adv[callee] and isinstance(arg, ast.Name) and arg.id in params:
-                            found.add(arg.id)
+                found |= _advanced_args(call, adv, params_of) & set(params)
             if found != adv.get(fn.name, set()):
                 adv[fn.name] = found
                 changed = True
@@ -84,10 +90,10 @@ def lost_advances(source: str) -> list[str]:
     """Where `source` breaks the rule, one line each."""
     tree = ast.parse(source)
     adv = advanced_params(tree)
-    fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    fns, params_of = _functions(tree)
     problems = []
     for fn in fns:
-        for p in sorted(adv.get(fn.name, set()) - _returned_names(fn, adv, fns)):
+        for p in sorted(adv.get(fn.name, set()) - _returned_names(fn, adv, params_of)):
             problems.append(f"{fn.name} advances its parameter {p} but does not return it")
     for fn in fns:
         for stmt in ast.walk(fn):
@@ -97,9 +103,9 @@ def lost_advances(source: str) -> list[str]:
             callee = _callee(value)
             if isinstance(stmt, ast.Expr):
                 problems.append(f"{fn.name}, line {stmt.lineno}: the state {callee} advances is dropped")
-            elif isinstance(stmt, ast.Assign) and not any(isinstance(a, ast.Starred) for a in value.args):
+            elif isinstance(stmt, ast.Assign):
                 targets = {n.id for t in stmt.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-                for name in sorted(_advanced_args(value, adv, fns) - targets):
+                for name in sorted(_advanced_args(value, adv, params_of) - targets):
                     problems.append(f"{fn.name}, line {stmt.lineno}: {name} passed to {callee} is not assigned back")
     return problems
 
