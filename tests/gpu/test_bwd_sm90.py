@@ -441,6 +441,48 @@ def _flag_matches_the_shipped_kernel(case, flag: str):
     return main
 
 
+S_AHEAD_CASES = [
+    # (d, seqlen_q, seqlen_k, heads, heads_k, mask): walks of one, two and many query blocks (the
+    # first block's half before the loop, the last one's after it), causal diagonals, a window,
+    # GQA, odd tails
+    (128, 40, 100, 2, 2, {}),
+    (128, 100, 130, 4, 2, {"causal": True}),
+    (128, 2047, 2049, 9, 3, {}),
+    (128, 1537, 1000, 4, 4, {"causal": True}),
+    (128, 1111, 1111, 8, 2, {"window_left": 100, "window_right": 30}),
+    (96, 1000, 1537, 6, 2, {"causal": True}),
+    (96, 2048, 2048, 8, 8, {}),
+]
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+@pytest.mark.parametrize("case", S_AHEAD_CASES)
+def test_sm90_bwd_s_ahead_matches_the_oracle_and_the_shipped_kernel(case, ahead):
+    """`s_ahead` (an A/B option of head dims 96 and 128): the next block's S^T issued ahead of
+    this block's dQ hand-over, and dK's dS^T from shared memory. Against the oracle, and against
+    the shipped main kernel, every gradient NaN-poisoned first: dV bitwise, dQ and dK up to float32
+    order."""
+    from dataclasses import replace
+
+    from cute_flash.backends.cute_bwd import sm90_configs
+
+    d, seqlen_q, seqlen_k, heads, heads_k, mask = case
+    torch.manual_seed(d + seqlen_q + seqlen_k + heads)
+    q = randn_in_nan((2, seqlen_q, heads, d), torch.bfloat16, row_dim=1, pad_rows=3)
+    k, v = nan_framed_kv(2, seqlen_k, heads_k, d, d, torch.bfloat16)
+    args = _args(d, **({"window_right": 0, **mask} if mask.get("causal") else mask))
+    main = sm90_configs(q, k, v, None, args)[1]
+    assert not main.s_ahead and main.dk_behind_dq, main.name
+    ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
+    out, lse = ref_out.to(q.dtype), ref_lse.float()
+    dout = _transposed_dout(out.shape, q.dtype)
+    on, off = _run_main_kernels((replace(main, s_ahead=ahead), main), q, k, v, out, lse, dout, args)
+    check_backward(on, dout, None, q, k, v, out, lse, args)
+    assert torch.equal(on[2], off[2])
+    torch.testing.assert_close(on[0], off[0], atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(on[1], off[1], atol=1e-3, rtol=1e-2)
+
+
 def test_sm90_bwd_q_clusters_only_where_both_ctas_walk_the_same_queries():
     """`cluster_q` needs an even number of key blocks, no mask and a head dim up to 96; other
     calls keep single CTAs (and still pass the oracle)."""
