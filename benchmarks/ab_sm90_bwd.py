@@ -12,17 +12,15 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
 * `shipped`: the configuration `cute_flash.attention`'s backward runs (`make_config`);
 * one variant per schedule flag that the case can flip: `stats_early`, `dq_fence_late` (with the
   dQ writer warp), `overlap_dv`, `dk_after_dq` (where it is on: at head dim 128 turning it on
-  serializes the WGMMAs) or else `dk_behind_dq`, `s_ahead 1` / `2` / `3` (the next block's S^T
-  ahead of the dQ hand-over, where `dk_behind_dq` ships on 64 rows; `s_ahead 2 + stage` with one
-  more stage), `dq_writer` (off, with `dq_fence_late` off and one dQ tile), `dq_stages` (1 where 2
-  ship, else 2), `lpt` (off, causal), `dkv_staged`, `dq_split` (off), `dq_swap` (off),
-  `rotate_queries` (`rotate` / `no rotate`), one more Q / dO stage where it fits (head dim 64),
-  where the 96-key tile ships (`keys_n`), the 64-key column-split tile (`64 keys`), the row-major
-  dQ tile in place of the flat one (`row-major dQ`, and with the swap where the tile's columns
-  allow it, `row-major dQ swapped`), dQ written by the main kernel's conversion CTAs instead of
-  the postprocess kernel (`in-kernel dQ`), with a causal mask the masked path's verdicts by a
-  comparison per (key, query) pair instead of bit masks (`compares`), and `deterministic` (ordered
-  dQ reduce-adds, without clusters or rotation);
+  serializes the WGMMAs) or else `dk_behind_dq`, `dq_writer` (off, with `dq_fence_late` off and one
+  dQ tile), `dq_stages` (1 where 2 ship, else 2), `lpt` (off, causal), `dkv_staged`, `dq_split`
+  (off), `dq_swap` (off), `rotate_queries` (`rotate` / `no rotate`), one more Q / dO stage where
+  it fits (head dim 64), where the 96-key tile ships (`keys_n`), the 64-key column-split tile
+  (`64 keys`), the row-major dQ tile in place of the flat one (`row-major dQ`, and with the
+  swap where the tile's columns allow it, `row-major dQ swapped`), dQ written by the main kernel's
+  conversion CTAs instead of the postprocess kernel (`in-kernel dQ`), with a causal mask the masked
+  path's verdicts by a comparison per (key, query) pair instead of bit masks (`compares`), and
+  `deterministic` (ordered dQ reduce-adds, without clusters or rotation);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the preprocess and postprocess kernels of its dQ accumulator
@@ -75,11 +73,6 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
         flips.append(("no dk_after_dq", {"dk_after_dq": False}))
     else:
         flips.append(("dk_behind_dq", {"dk_behind_dq": not shipped.dk_behind_dq}))
-    if shipped.dk_behind_dq and shipped.tile_m == 64 and not shipped.softcap:
-        # the next block's S^T issued behind this block's dQ and dK GEMMs
-        flips += [(f"s_ahead {n}", {"s_ahead": n}) for n in (0, 1, 2, 3) if n != shipped.s_ahead]
-        # and with a third (Q, dO) stage, which the next S^T waits for a step earlier (where it fits)
-        flips.append(("s_ahead 2 + stage", {"s_ahead": 2, "num_stages": shipped.num_stages + 1}))
     if shipped.causal:
         flips.append(("no lpt", {"lpt": False}))
     flips.append(("no dkv_staged" if shipped.dkv_staged else "dkv_staged", {"dkv_staged": not shipped.dkv_staged}))

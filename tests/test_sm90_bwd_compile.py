@@ -179,8 +179,8 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
     # each one is compiled and audited (+ 3 row-major dQ tiles, 11 with the in-kernel dQ and a
-    # comparison-masked tile and 4 with the next S^T ahead (`s_ahead`) for A/B)
-    assert len(configs) <= 54
+    # comparison-masked tile for A/B)
+    assert len(configs) <= 50
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -309,22 +309,6 @@ def test_sm90_bwd_dk_behind_dq_where_dk_is_not_carried_after_dq():
     with pytest.raises(ValueError, match="dk_behind_dq"):
         bc.make_config("bfloat16", 64, 64, softcap=True, dk_behind_dq=True)
     assert bc.make_config("bfloat16", 64, 64).dk_behind_dq  # the 128-row tile's order
-
-
-def test_sm90_bwd_s_ahead_only_on_the_tiles_whose_order_it_reorders():
-    """`s_ahead` (an A/B option): off by default; 1, 2 or 3 on the 64-row tiles with dK behind dQ,
-    dV overlapped and the dQ writer warp (head dims 96 and 128); refused by name elsewhere."""
-    assert not any(bc.make_config("bfloat16", d, d).s_ahead for d in bc.TILE_HEADDIMS)
-    for d in (96, 128):
-        for n in (1, 2, 3):
-            config = bc.make_config("bfloat16", d, d, causal=True, s_ahead=n)
-            assert config.s_ahead == n and f"sahead{n}" in config.name
-    with pytest.raises(ValueError, match="s_ahead must be"):
-        bc.make_config("bfloat16", 128, 128, s_ahead=4)
-    for d, flags in ((128, {"softcap": True}), (64, {}), (256, {}), (128, {"dq_writer": False}),
-                     (128, {"overlap_dv": False}), (128, {"dq_fence_late": True})):
-        with pytest.raises(ValueError, match="s_ahead needs"):
-            bc.make_config("bfloat16", d, d, s_ahead=1, **flags)
 
 
 def test_sm90_bwd_two_dq_tiles_at_head_dims_64_and_96_with_the_writer_warp():

@@ -205,44 +205,6 @@ CONVERT_PAUSE_NS = 500
 
 
 @dataclass(frozen=True)
-class StepOperands:
-    """A consumer warpgroup's views of its GEMM operands and step tiles, which the steps of
-    `FlashBwdSm90.walk_s_ahead` share (built once in `consume`)."""
-
-    tiled_mma_SdP: object
-    tiled_mma_dK: object
-    tiled_mma_dV: object
-    tiled_mma_dQ: object
-    thr_mma_SdP: object
-    thr_mma_dQ: object
-    tSrK: object
-    tSrQ: object
-    tdPrV: object
-    tdPrdO: object
-    tdVrP: object
-    tdVrdOt: object
-    tdKrdS: object
-    tdKrQt: object
-    tdQrdS: object
-    tdQrKt: object
-    stsm_dS: object
-    tdSsdS: object
-    rP: object
-    rdS: object
-    r2s_dQ: object
-    tdQsdQ: object
-    dq_swap: object
-    sdQ_wg: object
-    sLSE: object
-    sD: object
-    stat_query: object
-    t0ScS_mn: object
-    thr_key: object
-    thr_query: object
-    wg_idx: object
-
-
-@dataclass(frozen=True)
 class QueryWalk:
     """The steps of a CTA's walk over (query head, query block), which the producer, the consumers
     and the dQ writer take in the same order: query blocks [m_block_min, m_block_min + m_steps) of
@@ -467,10 +429,8 @@ class FlashBwdSm90(TimelineCounters):
                 self.dtype, self.dtype, K_major, K_major, Float32, wgs, (64, cfg.tile_m)
             )
             rmem = warpgroup.OperandSource.RMEM
-            # `s_ahead`: dK's dS^T from shared memory, where the dQ GEMMs read it too
             tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim),
-                a_source=warpgroup.OperandSource.SMEM if cutlass.const_expr(cfg.s_ahead) else rmem,
+                self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim), a_source=rmem
             )
             tiled_mma_dV = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim_v), a_source=rmem
@@ -961,10 +921,7 @@ class FlashBwdSm90(TimelineCounters):
         rdS = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), self.dtype)
         if cutlass.const_expr(not cfg.dkv_split):
             tdVrP = probs_as_operand_a(rP, thr_mma_dV, tile_S)
-            if cutlass.const_expr(cfg.s_ahead):
-                tdKrdS = tiled_mma_dK.make_fragment_A(wg_mma_dK.partition_A(sdS))  # (..., ds_stages)
-            else:
-                tdKrdS = probs_as_operand_a(rdS, thr_mma_dK, tile_S)
+            tdKrdS = probs_as_operand_a(rdS, thr_mma_dK, tile_S)
 
         # no zero fill: the first query block's GEMMs overwrite them (`gemm_accumulate_if`)
         acc_dK = cute.make_rmem_tensor(thr_mma_dK.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
@@ -991,132 +948,123 @@ class FlashBwdSm90(TimelineCounters):
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             if cutlass.const_expr(cfg.timeline):
                 phases.fill(0)
-            if cutlass.const_expr(cfg.s_ahead):
-                ops = StepOperands(
-                    tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, thr_mma_SdP, thr_mma_dQ, tSrK, tSrQ,
-                    tdPrV, tdPrdO, tdVrP, tdVrdOt, tdKrdS, tdKrQt, tdQrdS, tdQrKt, stsm_dS, tdSsdS, rP, rdS,
-                    r2s_dQ, tdQsdQ, dq_swap, sdQ[None, None, wg_idx, None], sLSE, sD, stat_query, t0ScS_mn,
-                    thr_key, thr_query, wg_idx)
-                state = self.walk_s_ahead(ops, walk, seqlen, pipeline_q, state, acc_dK, acc_dV, n_lo, offset, left,
-                                          right, softmax_scale_log2)
-            else:
-                for it in cutlass.range(walk.steps, unroll=1):
-                    head, m_block = walk.coords(it)
-                    m_lo = m_block * cfg.tile_m
-                    stage = state.index
-                    tick = self.tick(phases, -1, Int32(0))
-                    pipeline_q.consumer_wait(state)
-                    tick = self.tick(phases, 0, tick)
-                    if cutlass.const_expr(cfg.timeline):
-                        if it == 0:
-                            self.stamp(stamps, 2)
-                        if it == 2:
-                            self.stamp(stamps, 3)
-                    # this thread's LSE and D: its first query's entry + thread 0's column (immediates)
-                    sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
-                    sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
-                    lse_r = None
-                    if cutlass.const_expr(cfg.stats_early):
-                        lse_r = self.thread_stats(sLSE_thr, t0ScS_mn)
-                    acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
-                    acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
-                    gemm(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
-                    # dP^T runs while P^T is computed, except with soft-capping, whose tanh leaves no
-                    # room for the dP^T tile in flight next to dK and dV at head dim 128
-                    if cutlass.const_expr(not cfg.softcap):
-                        gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
-                    if cutlass.const_expr(cfg.dq_fence_late):
-                        if it > 0:  # the previous block's dQ tile is stored: hand it to the writer warp
-                            self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
-                    warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
-                    tick = self.tick(phases, 1, tick)
-                    if cutlass.const_expr(cfg.dk_after_dq):
-                        if it > 0:  # the previous block's dK GEMM, the last reader of its stage, is done
-                            pipeline_q.consumer_release(release_state)
-                            release_state.advance()
+            for it in cutlass.range(walk.steps, unroll=1):
+                head, m_block = walk.coords(it)
+                m_lo = m_block * cfg.tile_m
+                stage = state.index
+                tick = self.tick(phases, -1, Int32(0))
+                pipeline_q.consumer_wait(state)
+                tick = self.tick(phases, 0, tick)
+                if cutlass.const_expr(cfg.timeline):
+                    if it == 0:
+                        self.stamp(stamps, 2)
+                    if it == 2:
+                        self.stamp(stamps, 3)
+                # this thread's LSE and D: its first query's entry + thread 0's column (immediates)
+                sLSE_thr = cute.domain_offset((stat_query,), sLSE[None, stage])
+                sD_thr = cute.domain_offset((stat_query,), sD[None, stage])
+                lse_r = None
+                if cutlass.const_expr(cfg.stats_early):
+                    lse_r = self.thread_stats(sLSE_thr, t0ScS_mn)
+                acc_S = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
+                acc_dP = cute.make_rmem_tensor(thr_mma_SdP.partition_shape_C(tile_S), Float32)
+                gemm(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+                # dP^T runs while P^T is computed, except with soft-capping, whose tanh leaves no
+                # room for the dP^T tile in flight next to dK and dV at head dim 128
+                if cutlass.const_expr(not cfg.softcap):
+                    gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+                if cutlass.const_expr(cfg.dq_fence_late):
+                    if it > 0:  # the previous block's dQ tile is stored: hand it to the writer warp
+                        self.hand_over_dq(wg_idx, (it - 1) % cfg.dq_stages)
+                warpgroup.wait_group(0 if cutlass.const_expr(cfg.softcap) else 1)  # S^T is in
+                tick = self.tick(phases, 1, tick)
+                if cutlass.const_expr(cfg.dk_after_dq):
+                    if it > 0:  # the previous block's dK GEMM, the last reader of its stage, is done
+                        pipeline_q.consumer_release(release_state)
+                        release_state.advance()
 
-                    if self.masked_block(seqlen, n_lo, m_lo, offset, left, right):
-                        limits = self.hidden_limits(seqlen, n_lo + thr_key, m_lo + thr_query, offset, left, right)
-                        self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
-                    else:
-                        self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
-                    if cutlass.const_expr(cfg.softcap):
-                        gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
-                    else:
-                        rP.store(acc_S.load().to(self.dtype))
-                    if cutlass.const_expr(cfg.dkv_split):
-                        p_stage = cfg.ds_stages + it % cfg.p_stages
-                        cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, p_stage])
-                    elif cutlass.const_expr(not cfg.dv_after_ds):
-                        gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
-                    # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
-                    # from being live together
-                    warpgroup.wait_group(1 if cutlass.const_expr(cfg.overlap_dv and not cfg.softcap) else 0)
-                    tick = self.tick(phases, 2, tick)
+                if self.masked_block(seqlen, n_lo, m_lo, offset, left, right):
+                    limits = self.hidden_limits(seqlen, n_lo + thr_key, m_lo + thr_query, offset, left, right)
+                    self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, limits, softmax_scale_log2, softcap_prescale)
+                else:
+                    self.probs(acc_S, rP, sLSE_thr, lse_r, t0ScS_mn, None, softmax_scale_log2, softcap_prescale)
+                if cutlass.const_expr(cfg.softcap):
+                    gemm(tiled_mma_SdP, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+                else:
+                    rP.store(acc_S.load().to(self.dtype))
+                if cutlass.const_expr(cfg.dkv_split):
+                    p_stage = cfg.ds_stages + it % cfg.p_stages
+                    cute.copy(stsm_dS, stsm_dS.retile(rP), tdSsdS[None, None, None, p_stage])
+                elif cutlass.const_expr(not cfg.dv_after_ds):
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
+                # dP^T is in; without `overlap_dv` dV is done with rP too, which keeps P^T and dS^T
+                # from being live together
+                warpgroup.wait_group(1 if cutlass.const_expr(cfg.overlap_dv and not cfg.softcap) else 0)
+                tick = self.tick(phases, 2, tick)
 
-                    # dS^T = P^T (dP^T - D), with soft-capping P^T (1 - tanh^2) (dP^T - D)
-                    acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
-                    acc_dP_mn = acc_mn_view(acc_as_mma_sync(acc_dP))
-                    for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
-                        d_row = sD_thr[t0ScS_mn[0, c][1]]
-                        for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                            acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
-                    rdS.store(acc_dP.load().to(self.dtype))
-                    if cutlass.const_expr(cfg.dv_after_ds):
-                        gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
-                    if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq and not cfg.dkv_split):
-                        gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
+                # dS^T = P^T (dP^T - D), with soft-capping P^T (1 - tanh^2) (dP^T - D)
+                acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
+                acc_dP_mn = acc_mn_view(acc_as_mma_sync(acc_dP))
+                for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
+                    d_row = sD_thr[t0ScS_mn[0, c][1]]
+                    for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
+                rdS.store(acc_dP.load().to(self.dtype))
+                if cutlass.const_expr(cfg.dv_after_ds):
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], it > 0)
+                if cutlass.const_expr(not cfg.dk_after_dq and not cfg.dk_behind_dq and not cfg.dkv_split):
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
 
-                    # dS^T of this warpgroup's keys -> shared memory -> dQ partial
-                    ds_stage = it % cfg.ds_stages
-                    cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
-                    cute.arch.fence_view_async_shared()  # stmatrix wrote through the generic proxy
-                    if cutlass.const_expr(not cfg.dq_writer):
-                        if dq_warp:
-                            # the previous block's reduce-add is done reading sdQ_wg before it is rewritten
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    if cutlass.const_expr(cfg.dq_split or cfg.dq_rows):
-                        # both warpgroups' dS^T rows are in; each last read the other buffer before it
-                        # arrived here, so the next step may overwrite that one
-                        cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
-                    else:
-                        cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
-                    tick = self.tick(phases, 3, tick)
-                    if cutlass.const_expr(cfg.dkv_split):
-                        # P^T and dS^T of both warpgroups are in shared memory
-                        gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVsP[None, None, None, p_stage],
-                                           tdVrdOt[None, None, None, stage], it > 0)
-                        gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKsdS[None, None, None, ds_stage],
-                                           tdKrQt[None, None, None, stage], it > 0)
-                    acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)),
-                                                   Float32)
-                    gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
-                    if cutlass.const_expr(cfg.dk_after_dq or cfg.dk_behind_dq):
-                        gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
-                        warpgroup.wait_group(1)  # dQ (and dV) in; the end of every read of sdS
-                    else:
-                        warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
-                        pipeline_q.consumer_release(state)
-                    tick = self.tick(phases, 4, tick)
-                    if cutlass.const_expr(not cfg.dk_behind_dq):
-                        state.advance()
+                # dS^T of this warpgroup's keys -> shared memory -> dQ partial
+                ds_stage = it % cfg.ds_stages
+                cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
+                cute.arch.fence_view_async_shared()  # stmatrix wrote through the generic proxy
+                if cutlass.const_expr(not cfg.dq_writer):
+                    if dq_warp:
+                        # the previous block's reduce-add is done reading sdQ_wg before it is rewritten
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(cfg.dq_split or cfg.dq_rows):
+                    # both warpgroups' dS^T rows are in; each last read the other buffer before it
+                    # arrived here, so the next step may overwrite that one
+                    cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
+                else:
+                    cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                tick = self.tick(phases, 3, tick)
+                if cutlass.const_expr(cfg.dkv_split):
+                    # P^T and dS^T of both warpgroups are in shared memory
+                    gemm_accumulate_if(tiled_mma_dV, acc_dV, tdVsP[None, None, None, p_stage],
+                                       tdVrdOt[None, None, None, stage], it > 0)
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKsdS[None, None, None, ds_stage],
+                                       tdKrQt[None, None, None, stage], it > 0)
+                acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)),
+                                               Float32)
+                gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
+                if cutlass.const_expr(cfg.dk_after_dq or cfg.dk_behind_dq):
+                    gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
+                    warpgroup.wait_group(1)  # dQ (and dV) in; the end of every read of sdS
+                else:
+                    warpgroup.wait_group(0)  # also the end of every read of this stage and of sdS
+                    pipeline_q.consumer_release(state)
+                tick = self.tick(phases, 4, tick)
+                if cutlass.const_expr(not cfg.dk_behind_dq):
+                    state.advance()
 
-                    if cutlass.const_expr(cfg.dq_writer):
-                        self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it, sdQ[None, None, wg_idx, None])
-                    else:
-                        self.store_dq(r2s_dQ, acc_dQ, tdQsdQ[None, None, None, 0], dq_swap)
-                        cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
-                        cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
-                        if dq_warp:
-                            self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg[None, None, 0], seqlen, batch, head, m_block, wg_idx)
-                    tick = self.tick(phases, 5, tick)
-                    if cutlass.const_expr(cfg.dk_behind_dq):
-                        warpgroup.wait_group(0)  # dK in: the end of every read of this stage
-                        pipeline_q.consumer_release(state)
-                        state.advance()
-                    tick = self.tick(phases, 6, tick)
-                    if cutlass.const_expr(cfg.timeline):
-                        phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
+                if cutlass.const_expr(cfg.dq_writer):
+                    self.write_dq_tile(r2s_dQ, acc_dQ, tdQsdQ, dq_swap, wg_idx, it, sdQ[None, None, wg_idx, None])
+                else:
+                    self.store_dq(r2s_dQ, acc_dQ, tdQsdQ[None, None, None, 0], dq_swap)
+                    cute.arch.fence_view_async_shared()  # generic-proxy writes, read next by TMA
+                    cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                    if dq_warp:
+                        self.reduce_add_dq(tma_dQ, tma_mdQ, sdQ_wg[None, None, 0], seqlen, batch, head, m_block, wg_idx)
+                tick = self.tick(phases, 5, tick)
+                if cutlass.const_expr(cfg.dk_behind_dq):
+                    warpgroup.wait_group(0)  # dK in: the end of every read of this stage
+                    pipeline_q.consumer_release(state)
+                    state.advance()
+                tick = self.tick(phases, 6, tick)
+                if cutlass.const_expr(cfg.timeline):
+                    phases[TIMELINE_PHASES] = phases[TIMELINE_PHASES] + 1
             self.stamp(stamps, 4)
             if cutlass.const_expr(cfg.timeline):
                 if walk.steps <= 2:  # no third step: its stamp is the end of the walk
@@ -1302,111 +1250,6 @@ class FlashBwdSm90(TimelineCounters):
             self.zero_rows(sK, cfg.head_dim, 0, ctidx, wg_idx)
             self.zero_rows(sV, cfg.head_dim_v, 0, ctidx, wg_idx)
         self.store_dkv(sK, sV, mdK, mdV, seqlen, batch, head_k, n_block, ctidx)
-
-    @cute.jit
-    def walk_s_ahead(self, ops: StepOperands, walk: QueryWalk, seqlen: SeqlenInfo, pipeline_q, state, acc_dK, acc_dV,
-                     n_lo, offset, left, right, softmax_scale_log2):
-        """`s_ahead`: the walk of `consume` with each block's S^T issued right behind the block
-        before's dQ and dK GEMMs, ahead of that block's dQ hand-over; returns the stage state.
-
-        A trip of the loop runs block `it`'s second half (dQ, dK, the next S^T, dQ's hand-over,
-        the stage's release) and then block `it + 1`'s first half (dP^T, P^T, dV, dS^T to shared
-        memory): each WGMMA is waited for in the trip that issues it, except the first half's dV,
-        whose accumulator no other instruction touches. (An S^T tile carried in flight over the
-        loop's back edge and read in the next trip made ptxas serialize every WGMMA of the kernel,
-        and so did a branch around the last block's S^T: the first block's half comes before the
-        loop and the last block's second half after it.)"""
-        cfg = self.cfg
-        tile_S = (cfg.tile_n, cfg.tile_m)
-        acc_S0 = cute.make_rmem_tensor(ops.thr_mma_SdP.partition_shape_C(tile_S), Float32)
-        pipeline_q.consumer_wait(state)
-        gemm(ops.tiled_mma_SdP, acc_S0, ops.tSrK, ops.tSrQ[None, None, None, state.index], zero_init=True)
-        acc_dP0 = cute.make_rmem_tensor(ops.thr_mma_SdP.partition_shape_C(tile_S), Float32)
-        gemm(ops.tiled_mma_SdP, acc_dP0, ops.tdPrV, ops.tdPrdO[None, None, None, state.index], zero_init=True)
-        self.scores_and_ds(ops, walk, seqlen, Int32(0), state.index, acc_S0, acc_dP0, acc_dV, n_lo, offset, left,
-                           right, softmax_scale_log2)
-        for it in cutlass.range(walk.steps - 1, unroll=1):
-            acc_dQ = self.issue_dq_dk(ops, it, state.index, acc_dK)
-            if cutlass.const_expr(cfg.s_ahead != 2):
-                warpgroup.wait_group(1)  # dQ (and dV) in
-            next_state = state.clone()
-            next_state.advance()
-            pipeline_q.consumer_wait(next_state)
-            acc_S = cute.make_rmem_tensor(ops.thr_mma_SdP.partition_shape_C(tile_S), Float32)
-            gemm(ops.tiled_mma_SdP, acc_S, ops.tSrK, ops.tSrQ[None, None, None, next_state.index], zero_init=True)
-            if cutlass.const_expr(cfg.s_ahead == 2):
-                warpgroup.wait_group(2)  # dQ (and dV) in
-            self.write_dq_tile(ops.r2s_dQ, acc_dQ, ops.tdQsdQ, ops.dq_swap, ops.wg_idx, it, ops.sdQ_wg)
-            acc_dP = cute.make_rmem_tensor(ops.thr_mma_SdP.partition_shape_C(tile_S), Float32)
-            if cutlass.const_expr(cfg.s_ahead == 3):
-                # and the next dP^T once dQ's registers are free, before dK is waited for
-                gemm(ops.tiled_mma_SdP, acc_dP, ops.tdPrV, ops.tdPrdO[None, None, None, next_state.index],
-                     zero_init=True)
-                warpgroup.wait_group(2)  # dK in: the end of every read of this stage (S^T, dP^T run on)
-            else:
-                warpgroup.wait_group(1)  # dK in: the end of every read of this stage (S^T runs on)
-            pipeline_q.consumer_release(state)
-            state.advance()
-            if cutlass.const_expr(cfg.s_ahead != 3):
-                gemm(ops.tiled_mma_SdP, acc_dP, ops.tdPrV, ops.tdPrdO[None, None, None, state.index], zero_init=True)
-            self.scores_and_ds(ops, walk, seqlen, it + 1, state.index, acc_S, acc_dP, acc_dV, n_lo, offset, left,
-                               right, softmax_scale_log2)
-        last = walk.steps - 1
-        acc_dQ_last = self.issue_dq_dk(ops, last, state.index, acc_dK)
-        warpgroup.wait_group(1)  # dQ (and dV) in
-        self.write_dq_tile(ops.r2s_dQ, acc_dQ_last, ops.tdQsdQ, ops.dq_swap, ops.wg_idx, last, ops.sdQ_wg)
-        warpgroup.wait_group(0)  # dK in
-        pipeline_q.consumer_release(state)
-        state.advance()
-        return state
-
-    @cute.jit
-    def scores_and_ds(self, ops: StepOperands, walk: QueryWalk, seqlen: SeqlenInfo, it, stage, acc_S, acc_dP, acc_dV,
-                      n_lo, offset, left, right, softmax_scale_log2):
-        """`walk_s_ahead`: the first half of block `it` (stage `stage`), whose S^T and then dP^T
-        are in flight: P^T once S^T is in, dV issued, dS^T once dP^T is in, into shared memory,
-        and the barrier of both warpgroups (the dQ GEMMs read every row of it)."""
-        cfg = self.cfg
-        tile_S = (cfg.tile_n, cfg.tile_m)
-        head, m_block = walk.coords(it)
-        m_lo = m_block * cfg.tile_m
-        sLSE_thr = cute.domain_offset((ops.stat_query,), ops.sLSE[None, stage])
-        sD_thr = cute.domain_offset((ops.stat_query,), ops.sD[None, stage])
-        lse_r = None
-        if cutlass.const_expr(cfg.stats_early):
-            lse_r = self.thread_stats(sLSE_thr, ops.t0ScS_mn)
-        warpgroup.wait_group(1)  # S^T is in
-        if self.masked_block(seqlen, n_lo, m_lo, offset, left, right):
-            limits = self.hidden_limits(seqlen, n_lo + ops.thr_key, m_lo + ops.thr_query, offset, left, right)
-            self.probs(acc_S, ops.rP, sLSE_thr, lse_r, ops.t0ScS_mn, limits, softmax_scale_log2, None)
-        else:
-            self.probs(acc_S, ops.rP, sLSE_thr, lse_r, ops.t0ScS_mn, None, softmax_scale_log2, None)
-        ops.rP.store(acc_S.load().to(self.dtype))
-        gemm_accumulate_if(ops.tiled_mma_dV, acc_dV, ops.tdVrP, ops.tdVrdOt[None, None, None, stage], it > 0)
-        warpgroup.wait_group(1)  # dP^T is in (dV runs on: `overlap_dv`)
-        acc_S_mn = acc_mn_view(acc_as_mma_sync(acc_S))
-        acc_dP_mn = acc_mn_view(acc_as_mma_sync(acc_dP))
-        for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
-            d_row = sD_thr[ops.t0ScS_mn[0, c][1]]
-            for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_row)
-        ops.rdS.store(acc_dP.load().to(self.dtype))
-        ds_stage = it % cfg.ds_stages
-        cute.copy(ops.stsm_dS, ops.stsm_dS.retile(ops.rdS), ops.tdSsdS[None, None, None, ds_stage])
-        cute.arch.fence_view_async_shared()  # stmatrix wrote through the generic proxy
-        cute.arch.barrier(barrier_id=BARRIER_BOTH, number_of_threads=self.num_consumer_threads)
-
-    @cute.jit
-    def issue_dq_dk(self, ops: StepOperands, it, stage, acc_dK) -> cute.Tensor:
-        """`walk_s_ahead`: the second half's GEMMs of block `it`: dQ's partial (returned, in
-        flight) and dK += dS^T Q behind it, with dS^T from shared memory (its registers would
-        stay live while the GEMM runs, next to the next S^T)."""
-        cfg = self.cfg
-        acc_dQ = cute.make_rmem_tensor(ops.thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)), Float32)
-        gemm(ops.tiled_mma_dQ, acc_dQ, ops.tdQrdS[None, None, None, it % cfg.ds_stages], ops.tdQrKt, zero_init=True)
-        gemm_accumulate_if(ops.tiled_mma_dK, acc_dK, ops.tdKrdS[None, None, None, it % cfg.ds_stages],
-                           ops.tdKrQt[None, None, None, stage], it > 0)
-        return acc_dQ
 
     def mma_slices(self, ctidx, wg_idx, *tiled_mmas) -> list:
         """Each tiled MMA sliced twice: (by this thread, for its accumulator partitions; by its

@@ -196,16 +196,6 @@ class Sm90BwdConfig:
     # rounds, ms, medians): 2 x 4096 1.398 -> 1.339, causal 0.779 -> 0.773; 2 x 8192 5.238 ->
     # 5.056, causal 2.750 -> 2.622; 8 x 2048 1.468 -> 1.408, causal 0.863 -> 0.845: shipped there.
     dk_behind_dq: bool = False
-    # With `dk_behind_dq`, `overlap_dv` and the dQ writer warp on a 64-row tile: the next block's
-    # S^T = K Q^T issued ahead of this block's dQ hand-over, so that the tensor cores have the next
-    # block's first GEMM while both warpgroups store their dQ tiles; the next block then issues
-    # only dP^T before its wait for S^T (`FlashBwdSm90.walk_s_ahead`). 1: once this block's dQ
-    # GEMM is waited for (dV is then done with P^T's registers); 2: right behind dQ's and dK's
-    # GEMMs; 3: as 1, and the next dP^T = V dO^T too once the dQ tile is handed over, before dK's
-    # wait. A warpgroup holds the next S^T tile (64 * tile_m / 128 registers) next to dQ's, and
-    # dK reads dS^T from shared memory (as the dQ GEMMs do) instead of registers. 0: off. (A/B
-    # option; `make_config` does not set it.)
-    s_ahead: int = 0
     # Shared-memory dQ tiles per warpgroup (with `dq_writer`): with 2 a warpgroup writes a
     # block's tile while the writer warp's reduce-add may still be reading the previous one, and
     # waits only for the one before that (a FULL and an EMPTY barrier per warpgroup and tile).
@@ -406,12 +396,6 @@ class Sm90BwdConfig:
             raise ValueError("dq_rows and dq_split exclude each other")
         if self.dk_behind_dq and self.dk_after_dq:
             raise ValueError("dk_behind_dq and dk_after_dq exclude each other")
-        if self.s_ahead not in (0, 1, 2, 3):
-            raise ValueError(f"s_ahead must be 0, 1, 2 or 3; got {self.s_ahead}")
-        if self.s_ahead and (not (self.dk_behind_dq and self.overlap_dv and self.dq_writer and self.dq_split)
-                             or self.softcap or self.dq_fence_late or self.timeline or self.tile_m != 64):
-            raise ValueError("s_ahead needs dk_behind_dq, overlap_dv, dq_writer and dq_split on a 64-row tile, "
-                             "without softcap, dq_fence_late or timeline")
         if self.dq_fence_late and not self.dq_writer:
             raise ValueError("dq_fence_late needs dq_writer")
         if self.dq_flat and (not self.dq_writer or self.varlen_q or self.dq_swap):
@@ -535,8 +519,6 @@ class Sm90BwdConfig:
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
-        if self.s_ahead:
-            flags.append(f"sahead{self.s_ahead}")
         if not self.mask_bits:
             flags.append("cmpmask")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
@@ -702,9 +684,6 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", d, d, dq_convert=True, **mask) for d in TILE_HEADDIMS
                 for mask in ({}, {"causal": True})]
     configs += [make_config("bfloat16", 128, 128, local=True, softcap=True, seqused_k=True, dq_convert=True)]
-    # the next block's S^T issued ahead of the dQ hand-over (`s_ahead`), for A/B
-    configs += [make_config("bfloat16", 128, 128, causal=True, s_ahead=n) for n in (1, 2, 3)]
-    configs += [make_config("float16", 96, 96, local=True, varlen_q=True, varlen_k=True, seqused_k=True, s_ahead=2)]
     # the masked path by a comparison per pair instead of bit masks, for A/B (at head dim 128,
     # whose registers are the tightest)
     configs += [make_config("bfloat16", 128, 128, causal=True, mask_bits=False)]
