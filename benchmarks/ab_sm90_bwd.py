@@ -20,7 +20,8 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   swap where the tile's columns allow it, `row-major dQ swapped`), dQ written by the main kernel's
   conversion CTAs instead of the postprocess kernel (`in-kernel dQ`), with a causal mask the masked
   path's verdicts by a comparison per (key, query) pair instead of bit masks (`compares`), and
-  `deterministic` (ordered dQ reduce-adds, without clusters or rotation);
+  `deterministic` (ordered dQ reduce-adds, without clusters or rotation), and below head dim 192
+  dS^T stored transposed so that the dQ GEMMs read dS K-major (`dS K-major`, `ds_kmajor`);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the preprocess and postprocess kernels of its dQ accumulator
@@ -82,6 +83,9 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if not shipped.dv_after_ds and not shipped.softcap:
         # flash-attn-4's order: dV issued once dS^T is formed (no GEMM in flight meanwhile)
         flips.append(("dV after dS", {"dv_after_ds": True, "overlap_dv": False}))
+    if not shipped.dkv_split:
+        # dS^T stored transposed, so that the dQ GEMMs read dS K-major (flash-attn-4's store)
+        flips.append(("dS K-major", {"ds_kmajor": True}))
     if shipped.dq_rows:
         # the 64-row step it replaced (dQ's columns split, two dQ tiles, dV overlapped, dK after dQ)
         flips.append(("64 rows", {"tile_m": 64, "dq_rows": False, "dq_split": True, "dq_stages": 2,

@@ -3,6 +3,8 @@
     python benchmarks/loop_sass.py --head-dim 128                 # cute_flash's shipped kernel (CPU)
     python benchmarks/loop_sass.py --head-dim 64 --causal --fa4   # and flash-attn-4's, compiled here too
     python benchmarks/loop_sass.py --head-dim 128 --kernel sm80   # the sm_80 forward's (mma.sync) loop
+    python benchmarks/loop_sass.py --head-dim 128 --causal --kernel bwd --fa4   # the backward's step
+    python benchmarks/loop_sass.py --head-dim 128 --kernel bwd --flags ds_kmajor=1   # a configuration flag set
 
 Both kernels are compiled for sm_90a on this machine (no GPU needed): cute_flash's shipped
 configuration (`make_config`, without the K/V clusters), and with `--fa4` flash-attn-4's
@@ -15,6 +17,13 @@ diagonal's blocks with `masked_halves` holds the 64-key GEMMs as well, so it is 
 count and opcode mix, and the instructions of one trip around it along each path through it
 (a branch inside it, such as the lazy rescale's skip of O's FMULs, makes two): what one warp
 issues per key block. Both kernels' tiles are the same at head dims 64 and 128.
+
+With `--kernel bwd` it prints the sm_90 backward main kernel's step instead: the loop over the
+query blocks, which holds every HGMMA of the kernel (S^T, dP^T, dV, dK and dQ of one block), and
+with `--fa4` flash-attn-4's backward (`_flash_attn_bwd`, 2 x 8192) beside it; the tiles are the
+same at head dim 64 (128 x 128) and at 128 causal (64 x 128; without a mask flash-attn-4 takes 80
+query rows). A branch with a second predicate (`@P0 BRA P1, ...`, the backward's masked-block
+test) forks the path like any predicated one.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _INST = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;?\s*$")
-_BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
+_BRANCH = re.compile(r"BRA (?:!?U?P\w+, )?`\((\.L_x_\d+)\)")  # `BRA P1, ...`: a second predicate
 _PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 # opcodes whose second part says what they are (the rest are counted by their first part)
 _TWO_PART = ("FMNMX", "F2FP", "HGMMA", "MUFU")
@@ -188,34 +197,114 @@ def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str]:
         return "flash-attn-4 FlashAttentionForwardSm90", _run("nvdisasm", "-c", str(cubin))
 
 
+def cute_flash_bwd_sass(head_dim: int, causal: bool, flags: dict) -> tuple[str, str]:
+    """(name, SASS) of the shipped bf16 sm_90 backward main kernel (with `flags` set), for sm_90a."""
+    from cute_flash.audit import AuditTarget, audit_target
+    from cute_flash.kernels.sm90 import bwd_config
+
+    config = bwd_config.make_config("bfloat16", head_dim, head_dim, causal=causal, **flags)
+    with tempfile.TemporaryDirectory() as tmp:
+        row = audit_target(AuditTarget(config.name, "sm_90a", lambda opts: bwd_config.compile_kernel(config, opts)),
+                           keep_dir=Path(tmp))
+        if row.error:
+            raise RuntimeError(row.error)
+        return config.name, (Path(tmp) / config.name / "kernel.sass").read_text()
+
+
+def fa4_bwd_sass(head_dim: int, causal: bool) -> tuple[str, str]:
+    """flash-attn-4's sm_90 backward main kernel for bf16 2 x 8192 x (2048 / head_dim) heads,
+    compiled here (`FA4_CPU_ENV` set before the DSL is first imported): of the kernels its
+    `_flash_attn_bwd` compiles (preprocess, main, postprocess), the one with HGMMAs."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import flash_attn.cute.interface as fa4
+    from cute_flash.audit import _run
+
+    compiled, failure = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = fa4.cute.compile
+
+        def keeping(*args, options="", **kwargs):
+            out = plain(*args, options=f"{options} --gpu-arch sm_90a --keep-cubin --dump-dir {tmp}", **kwargs)
+            compiled.append(out)
+            return out
+
+        fa4.cute.compile = keeping
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                heads = 2048 // head_dim
+                q = torch.empty(2, 8192, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+                lse = torch.empty(2, heads, 8192, dtype=torch.float32, device="cuda")
+                try:
+                    fa4._flash_attn_bwd(q, q, q, q, q, lse, causal=causal)
+                except Exception as exc:  # a launch of the fake call; the kernels are compiled by then
+                    failure = exc
+        finally:
+            fa4.cute.compile = plain
+        for i, kernel in enumerate(compiled):
+            cubin = Path(tmp) / f"fa4_bwd_{i}.cubin"
+            cubin.write_bytes(kernel.artifacts.CUBIN)
+            sass = _run("nvdisasm", "-c", str(cubin))
+            if "HGMMA" in sass:
+                return "flash-attn-4 FlashAttentionBackwardSm90", sass
+        raise RuntimeError(f"flash-attn-4 compiled no backward main kernel "
+                           f"({len(compiled)} kernels; {type(failure).__name__}: {failure})")
+
+
+def all_gemms(sass: str) -> int:
+    """Every HGMMA of a kernel: the backward's step loop holds them all."""
+    return sum("HGMMA" in inst for inst in instructions(sass)[0])
+
+
+def parse_flags(text: str) -> dict:
+    """`name=value,...` as configuration flags: integers, or booleans by 0 / 1 / true / false."""
+    flags = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = item.partition("=")
+        lowered = value.strip().lower()
+        flags[name.strip()] = lowered in ("1", "true") if lowered in ("0", "1", "true", "false") else int(value)
+    return flags
+
+
 # flash-attn-4's settings for compiling without a GPU; the DSL reads CUTE_DSL_ARCH when first imported
 FA4_CPU_ENV = {"FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a", "FLASH_ATTENTION_NUM_SMS": "132"}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    p.add_argument("--head-dim", type=int, default=128, choices=(64, 96, 128))
     p.add_argument("--causal", action="store_true")
     p.add_argument("--fa4", action="store_true", help="flash-attn-4's loop too (needs flash_attn.cute and einops)")
-    p.add_argument("--kernel", choices=("sm90", "sm80"), default="sm90",
-                   help="which cute_flash forward (sm80: the mma.sync kernel, compiled for sm_90a as the H200 runs it)")
+    p.add_argument("--kernel", choices=("sm90", "sm80", "bwd"), default="sm90",
+                   help="which cute_flash kernel: the sm_90 forward, the sm_80 one (the mma.sync kernel, compiled "
+                        "for sm_90a as the H200 runs it), or the sm_90 backward's main kernel")
+    p.add_argument("--flags", type=parse_flags, default={},
+                   help="configuration flags of the backward, e.g. ds_kmajor=1 (--kernel bwd)")
     args = p.parse_args(argv)
-    if args.fa4 and args.kernel != "sm90":
-        p.error("--fa4 compares against the sm_90 forward (--kernel sm90)")
+    if args.fa4 and args.kernel == "sm80":
+        p.error("--fa4 compares against the sm_90 kernels (--kernel sm90 or bwd)")
+    if args.flags and args.kernel != "bwd":
+        p.error("--flags sets the backward's configuration (--kernel bwd)")
     if args.fa4:
         for key, value in FA4_CPU_ENV.items():
             os.environ.setdefault(key, value)
 
-    gemms = gemm_count(shipped_config(args.head_dim, args.causal, args.kernel), args.kernel)
-    gemm_op = "HGMMA" if args.kernel == "sm90" else "HMMA"
-    sources = [lambda hd, causal: cute_flash_sass(hd, causal, args.kernel)] + ([fa4_sass] if args.fa4 else [])
+    if args.kernel == "bwd":
+        sources = [lambda hd, causal: cute_flash_bwd_sass(hd, causal, args.flags)] + ([fa4_bwd_sass] if args.fa4 else [])
+        gemms, gemm_op, loop = None, "HGMMA", "the step loop (one query block)"
+    else:
+        gemms = gemm_count(shipped_config(args.head_dim, args.causal, args.kernel), args.kernel)
+        gemm_op = "HGMMA" if args.kernel == "sm90" else "HMMA"
+        sources = [lambda hd, causal: cute_flash_sass(hd, causal, args.kernel)] + ([fa4_sass] if args.fa4 else [])
+        loop = "the key-block loop"
     rows = []
     for source in sources:
         name, sass = source(args.head_dim, args.causal)
-        body, paths = analyse(sass, gemms, gemm_op=gemm_op)
+        body, paths = analyse(sass, gemms or all_gemms(sass), gemm_op=gemm_op)
         rows.append((name, len(body), paths, mix(body)))
     ops = sorted({op for *_, m in rows for op in m}, key=lambda op: -max(m[op] for *_, m in rows))
-    print(f"hd{args.head_dim} {'causal' if args.causal else 'no mask'}: the key-block loop's instructions "
+    print(f"hd{args.head_dim} {'causal' if args.causal else 'no mask'}: {loop}'s instructions "
           "(all of them; per trip along each path) and its opcodes (all of them)")
     for i, (name, n, paths, _) in enumerate(rows):
         print(f"  [{i}] {n:5d}  per trip {'/'.join(map(str, paths))}  {name}")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from big_memory import one_at_a_time
-from hang_watchdog import ended_if_hung, limit_s
+from hang_watchdog import ended_if_hung, limit_s, faulthandler_timeout_set
 
 # The DSL caches compiled kernels on disk; keep test runs from writing to a shared folder.
 os.environ.setdefault("CUTE_DSL_CACHE_DIR", tempfile.mkdtemp(prefix="cute_dsl_cache_"))
@@ -48,8 +48,9 @@ def _big_memory_tests_one_at_a_time(request):
 @pytest.fixture(autouse=True)
 def _gpu_tests_end_if_hung(request, _big_memory_tests_one_at_a_time):
     """A GPU test still running after `hang_watchdog.limit_s()` (counted once it holds the
-    `big_memory` lock, if it takes one) ends its process with every thread's stack on stderr."""
-    if request.node.get_closest_marker("gpu") is None:
+    `big_memory` lock, if it takes one) ends its process with every thread's stack on stderr.
+    Not armed where pytest's own `-o faulthandler_timeout` is set (they would share one timer)."""
+    if request.node.get_closest_marker("gpu") is None or faulthandler_timeout_set(request.config):
         yield
         return
     with ended_if_hung(limit_s()):

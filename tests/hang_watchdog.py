@@ -22,6 +22,16 @@ def limit_s() -> float:
     return float(os.environ.get("CUTE_FLASH_GPU_TEST_LIMIT_S", DEFAULT_LIMIT_S))
 
 
+def faulthandler_timeout_set(config) -> bool:
+    """Whether pytest's own `faulthandler_timeout` is set for this run. The process has one
+    `faulthandler` timer, which that option arms around each test; the watchdog stands aside
+    then, rather than replace pytest's timer with its own and disarm it for the test's teardown."""
+    try:
+        return float(config.getini("faulthandler_timeout") or 0) > 0
+    except ValueError:  # the option is not registered: pytest's faulthandler plugin is off
+        return False
+
+
 @contextlib.contextmanager
 def ended_if_hung(limit: float):
     """Dump the stacks and end the process if the body is still running after `limit` seconds."""

@@ -547,6 +547,8 @@ def test_ab_sm90_bwd_times_the_shipped_backward_and_distinct_flag_flips(head_dim
     assert flipped["dq_fence_late"].dq_fence_late != configs[0].dq_fence_late
     # the schedule before the two flags existed is among them
     assert any(not c.stats_early and not c.dq_fence_late for c in configs)
+    # dS stored for K-major dQ reads, on the tiles whose dK and dV take P^T and dS^T from registers
+    assert flipped["dS K-major"].ds_kmajor and not configs[0].ds_kmajor
 
 
 @pytest.mark.parametrize("head_dim", [192, 256])
@@ -557,6 +559,7 @@ def test_ab_sm90_bwd_flips_only_what_the_column_split_tile_takes(head_dim):
     shipped = variants["shipped"]
     assert shipped.dkv_split and "dq_fence_late" in variants and "no lpt" in variants
     assert "stats_early" not in variants and "overlap_dv" not in variants  # P^T / dS^T from shared memory
+    assert "dS K-major" not in variants
     assert all(c.dkv_split and c.head_dim == head_dim for c in variants.values())
     unmasked = dict(ab_sm90_bwd.variants(head_dim, causal=False))
     assert unmasked["shipped"].rotate_queries and not unmasked["no rotate"].rotate_queries
@@ -654,6 +657,30 @@ def test_loop_sass_counts_each_path_of_a_trip():
     # a branch out of the loop (a wait's slow path) is not taken; the skip of the FMULs forks
     assert loop_sass.path_lengths(_FORKED, 1) == [5, 7]
     assert len(loop_sass.key_block_loop(_FORKED, 1)) == 7
+
+
+def test_loop_sass_forks_at_a_branch_with_a_second_predicate():
+    import loop_sass
+
+    # `@P0 BRA P1, ...` (taken where both hold): the backward's masked-block test
+    forked = _FORKED.replace("@P1 BRA `(.L_x_2)", "@P0 BRA P1, `(.L_x_2)")
+    assert loop_sass.path_lengths(forked, 1) == [5, 7]
+    assert loop_sass.parse_flags("ds_kmajor=1, dq_stages=2,lpt=false") == {"ds_kmajor": True, "dq_stages": 2,
+                                                                          "lpt": False}
+
+
+def test_loop_sass_finds_the_step_loop_of_the_shipped_backward(capsys):
+    import loop_sass
+
+    assert loop_sass.main(["--head-dim", "128", "--causal", "--kernel", "bwd"]) == 0
+    out = capsys.readouterr().out
+    trips = re.search(r"\[0\]\s+\d+\s+per trip ([\d/]+)\s+bwd_sm90_bfloat16_hd128_64x128s2_causal", out).group(1)
+    # the unmasked and the masked block: 32 exponentials of P^T a thread more on the second
+    assert len(trips.split("/")) == 2 and all(300 < int(count) < 600 for count in trips.split("/")), trips
+    # S^T, dP^T and dQ (m64n64, 8 each) and dV, dK (m64n128 over 64 queries, 4 each)
+    assert re.search(r"HGMMA\.64x64x16\s+24\b", out) and re.search(r"HGMMA\.64x128x16\s+8\b", out)
+    with pytest.raises(SystemExit):
+        loop_sass.main(["--flags", "ds_kmajor=1"])  # the forward takes no backward flags
 
 
 def test_loop_sass_finds_the_key_block_loop_of_the_shipped_kernel(capsys):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hang_watchdog import DEFAULT_LIMIT_S, limit_s
+from hang_watchdog import DEFAULT_LIMIT_S, limit_s, faulthandler_timeout_set
 
 TESTS = Path(__file__).parent
 
@@ -66,3 +66,41 @@ def test_the_limit_comes_from_the_environment(monkeypatch):
     assert limit_s() == DEFAULT_LIMIT_S
     monkeypatch.setenv("CUTE_FLASH_GPU_TEST_LIMIT_S", "42.5")
     assert limit_s() == 42.5
+
+
+class _Config:
+    def __init__(self, ini):
+        self.ini = ini
+
+    def getini(self, name):
+        if name not in self.ini:
+            raise ValueError(f"unknown configuration value: {name!r}")
+        return self.ini[name]
+
+
+def test_it_stands_aside_where_pytests_own_faulthandler_timeout_is_set():
+    """One `faulthandler` timer per process: with pytest's `-o faulthandler_timeout=N` (N > 0) the
+    watchdog is not armed, so pytest's dump keeps its timer through the test's teardown."""
+    assert faulthandler_timeout_set(_Config({"faulthandler_timeout": "150"}))
+    assert faulthandler_timeout_set(_Config({"faulthandler_timeout": 0.5}))
+    assert not faulthandler_timeout_set(_Config({"faulthandler_timeout": 0.0}))  # pytest's default
+    assert not faulthandler_timeout_set(_Config({"faulthandler_timeout": ""}))
+    assert not faulthandler_timeout_set(_Config({}))  # -p no:faulthandler
+
+
+
+@pytest.mark.parametrize("option,expected", [([], False), (["-o", "faulthandler_timeout=7"], True),
+                                             (["-p", "no:faulthandler"], False)])
+def test_it_reads_the_option_pytest_itself_registers(tmp_path, option, expected):
+    """The same check in a pytest run of its own, with and without the option (and without the plugin)."""
+    (tmp_path / "test_child.py").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from hang_watchdog import faulthandler_timeout_set
+
+        def test_option(pytestconfig):
+            assert faulthandler_timeout_set(pytestconfig) is {expected}
+    """))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *option, "test_child.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

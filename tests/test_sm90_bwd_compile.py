@@ -179,8 +179,8 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
     # each one is compiled and audited (+ 3 row-major dQ tiles, 11 with the in-kernel dQ and a
-    # comparison-masked tile for A/B)
-    assert len(configs) <= 50
+    # comparison-masked tile and 5 with dS K-major (`ds_kmajor`) for A/B)
+    assert len(configs) <= 55
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -309,6 +309,20 @@ def test_sm90_bwd_dk_behind_dq_where_dk_is_not_carried_after_dq():
     with pytest.raises(ValueError, match="dk_behind_dq"):
         bc.make_config("bfloat16", 64, 64, softcap=True, dk_behind_dq=True)
     assert bc.make_config("bfloat16", 64, 64).dk_behind_dq  # the 128-row tile's order
+
+
+def test_sm90_bwd_ds_kmajor_only_where_the_dq_gemms_alone_read_ds():
+    """`ds_kmajor` (an A/B option): off by default; taken by the tiles whose only shared-memory
+    reader of dS^T is the dQ GEMM, refused by name on the column-split tiles (192, 256), whose dK
+    and dV read it too."""
+    assert not any(bc.make_config("bfloat16", d, d, **mask).ds_kmajor
+                   for d in bc.TILE_HEADDIMS for mask in ({}, {"causal": True}))
+    for d in (64, 96, 128):
+        config = bc.make_config("bfloat16", d, d, causal=True, ds_kmajor=True)
+        assert config.ds_kmajor and config.name.endswith("_dsk") and not config.dkv_split
+    for d in (192, 256):
+        with pytest.raises(ValueError, match="ds_kmajor excludes dkv_split"):
+            bc.make_config("bfloat16", d, d, ds_kmajor=True)
 
 
 def test_sm90_bwd_two_dq_tiles_at_head_dims_64_and_96_with_the_writer_warp():

@@ -415,6 +415,30 @@ def test_sm90_bwd_conversion_ctas_match_the_postprocess_kernel(case):
     assert main.dq_flat, main.name
 
 
+DS_KMAJOR_CASES = [
+    # (d, seqlen_q, seqlen_k, heads, heads_k, mask): each tile whose dQ GEMMs read dS from shared
+    # memory -- 128 rows (64, `dq_rows`), 64 rows with the column split (96, 128), 64 rows with dK
+    # after dQ (64 soft-capped) -- with odd tails, causal diagonals, a window and GQA
+    (64, 2048, 2048, 8, 8, {}),
+    (64, 1000, 1537, 6, 2, {"causal": True}),
+    (64, 777, 1025, 4, 2, {"softcap": 20.0}),
+    (96, 1000, 1537, 6, 2, {"causal": True}),
+    (128, 40, 100, 2, 2, {}),
+    (128, 1537, 1000, 4, 4, {"causal": True}),
+    (128, 1111, 1111, 8, 2, {"window_left": 100, "window_right": 30}),
+    (128, 2047, 2049, 9, 3, {}),
+]
+
+
+@pytest.mark.parametrize("case", DS_KMAJOR_CASES)
+def test_sm90_bwd_ds_kmajor_matches_the_oracle_and_the_shipped_kernel(case):
+    """`ds_kmajor` (an A/B option): dS^T stored transposed (stmatrix .trans) so that the dQ GEMMs
+    read dS K-major. Against the oracle, and against the shipped main kernel (dK and dV bitwise,
+    dQ up to its reduce-adds' float32 order), every gradient NaN-poisoned first."""
+    main = _flag_matches_the_shipped_kernel(case, "ds_kmajor")
+    assert not main.dkv_split, main.name
+
+
 def _flag_matches_the_shipped_kernel(case, flag: str):
     """The call's shipped main kernel (returned) with `flag` on, against the oracle and against
     itself without it, every gradient NaN-poisoned first: dK and dV bitwise, dQ up to its

@@ -357,9 +357,14 @@ class FlashBwdSm90(TimelineCounters):
                                         (cfg.tile_m, cfg.head_dim_v, cfg.dout_stages), (0, 1, 2))
         sK_layout = cute.tile_to_shape(self.split_atom(cfg.head_dim, of_k=True), (cfg.tile_n, cfg.head_dim), (0, 1))
         sV_layout = wgmma_smem_layout_tile(self.dtype, cfg.tile_n, cfg.head_dim_v)
-        # the dS^T stages, then (`dkv_split`) the P^T ones
-        sdS_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.tile_m),
-                                        (cfg.tile_n, cfg.tile_m, cfg.ds_stages + cfg.p_stages), (0, 1, 2))
+        # the dS^T stages, then (`dkv_split`) the P^T ones; with `ds_kmajor` the dS stages,
+        # (queries, keys) with the keys contiguous
+        if cutlass.const_expr(cfg.ds_kmajor):
+            sdS_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.tile_n),
+                                            (cfg.tile_m, cfg.tile_n, cfg.ds_stages), (0, 1, 2))
+        else:
+            sdS_layout = cute.tile_to_shape(wgmma_smem_layout_atom(self.dtype, cfg.tile_m),
+                                            (cfg.tile_n, cfg.tile_m, cfg.ds_stages + cfg.p_stages), (0, 1, 2))
         sStat_layout = self.stat_layout(cfg.num_stages)
         # `dq_stages` fp32 dQ partials per consumer warpgroup, the sources of its TMA reduce-adds:
         # (rows, cols, warpgroup, stage)
@@ -435,9 +440,11 @@ class FlashBwdSm90(TimelineCounters):
             tiled_mma_dV = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, MN_major, Float32, wgs, (64, cfg.head_dim_v), a_source=rmem
             )
-        # one warpgroup's dQ tile: A = dS (MN-major view of dS^T), B = K^T (MN-major view of K)
+        # one warpgroup's dQ tile: A = dS (MN-major view of dS^T; K-major with `ds_kmajor`), B = K^T
+        # (MN-major view of K)
         tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN_major, MN_major, Float32, (1, 1, 1), (64, cfg.dq_cols)
+            self.dtype, self.dtype, K_major if cutlass.const_expr(cfg.ds_kmajor) else MN_major, MN_major, Float32,
+            (1, 1, 1), (64, cfg.dq_cols)
         )
 
         num_n_blocks = (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n
@@ -880,25 +887,27 @@ class FlashBwdSm90(TimelineCounters):
         tdPrV, tdPrdO = smem_operands(tiled_mma_SdP, wg_mma_SdP, sV, sdO)
         tdVrdOt = tiled_mma_dV.make_fragment_B(wg_mma_dV.partition_B(transposed(sdO)))
         tdKrQt = tiled_mma_dK.make_fragment_B(wg_mma_dK.partition_B(transposed(sQ)))
+        # dS^T as (keys, queries, stage): the tile itself, or (`ds_kmajor`) the view of dS
+        sdSt = transposed(sdS) if cutlass.const_expr(cfg.ds_kmajor) else sdS
         if cutlass.const_expr(cfg.dq_split):
             # every key of dS^T (both warpgroups' rows) and this warpgroup's half of K's columns
-            tdQrdS = tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(sdS)))
+            sdS_wg = sdSt
             sK_wg = cute.local_tile(sK, (cfg.tile_n, cfg.dq_cols), (0, wg_idx))
         elif cutlass.const_expr(cfg.dq_rows):
             # every key of dS^T, this warpgroup's 64 queries of the block; all of K
-            sdS_wg = cute.local_tile(sdS, (cfg.tile_n, cfg.dq_rows_per_wg, cfg.ds_stages), (0, wg_idx, 0))
-            tdQrdS = tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(sdS_wg)))
+            sdS_wg = cute.local_tile(sdSt, (cfg.tile_n, cfg.dq_rows_per_wg, cfg.ds_stages), (0, wg_idx, 0))
             sK_wg = sK
         else:
             # this warpgroup's 64 keys: its rows of dS^T and K
-            sdS_wg = cute.local_tile(sdS, (64, cfg.tile_m, cfg.ds_stages), (wg_idx, 0, 0))
-            tdQrdS = tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(sdS_wg)))
+            sdS_wg = cute.local_tile(sdSt, (64, cfg.tile_m, cfg.ds_stages), (wg_idx, 0, 0))
             sK_wg = cute.local_tile(sK, (64, cfg.head_dim), (wg_idx, 0))
+        tdQrdS = tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(sdS_wg)))
         tdQrKt = tiled_mma_dQ.make_fragment_B(wg_mma_dQ.partition_B(transposed(sK_wg)))
+        # dS^T from the accumulator's layout; with `ds_kmajor` transposing, into the tile of dS
         stsm_dS = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_mma_SdP
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(cfg.ds_kmajor, 4), self.dtype), tiled_mma_SdP
         ).get_slice(ctidx)
-        tdSsdS = stsm_dS.partition_D(sdS)  # (..., ds_stages [+ p_stages])
+        tdSsdS = stsm_dS.partition_D(sdSt)  # (..., ds_stages [+ p_stages])
         if cutlass.const_expr(cfg.dkv_split):
             # P^T and dS^T as the shared-memory A operands of dV and dK: (..., ds_stages + p_stages)
             tdVsP = tiled_mma_dV.make_fragment_A(wg_mma_dV.partition_A(sdS))

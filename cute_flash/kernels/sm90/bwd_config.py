@@ -196,6 +196,11 @@ class Sm90BwdConfig:
     # rounds, ms, medians): 2 x 4096 1.398 -> 1.339, causal 0.779 -> 0.773; 2 x 8192 5.238 ->
     # 5.056, causal 2.750 -> 2.622; 8 x 2048 1.468 -> 1.408, causal 0.863 -> 0.845: shipped there.
     dk_behind_dq: bool = False
+    # dS^T stored transposed (stmatrix .trans) as dS, a (queries, keys) tile with the keys
+    # contiguous, so that the dQ GEMMs read their A operand K-major instead of as the MN-major
+    # view of dS^T (flash-attn-4's store of dS). Nothing else reads that tile on the tiles it
+    # applies to (dK takes dS^T from registers). (A/B option; `make_config` does not set it.)
+    ds_kmajor: bool = False
     # Shared-memory dQ tiles per warpgroup (with `dq_writer`): with 2 a warpgroup writes a
     # block's tile while the writer warp's reduce-add may still be reading the previous one, and
     # waits only for the one before that (a FULL and an EMPTY barrier per warpgroup and tile).
@@ -396,6 +401,9 @@ class Sm90BwdConfig:
             raise ValueError("dq_rows and dq_split exclude each other")
         if self.dk_behind_dq and self.dk_after_dq:
             raise ValueError("dk_behind_dq and dk_after_dq exclude each other")
+        if self.ds_kmajor and self.dkv_split:
+            # dV and dK read P^T and dS^T from that tile there, as (keys, queries) K-major
+            raise ValueError("ds_kmajor excludes dkv_split (and keys_n), whose dK and dV read dS^T from shared memory")
         if self.dq_fence_late and not self.dq_writer:
             raise ValueError("dq_fence_late needs dq_writer")
         if self.dq_flat and (not self.dq_writer or self.varlen_q or self.dq_swap):
@@ -519,6 +527,8 @@ class Sm90BwdConfig:
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
+        if self.ds_kmajor:
+            flags.append("dsk")
         if not self.mask_bits:
             flags.append("cmpmask")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
@@ -687,6 +697,10 @@ def shipped_configs() -> list:
     # the masked path by a comparison per pair instead of bit masks, for A/B (at head dim 128,
     # whose registers are the tightest)
     configs += [make_config("bfloat16", 128, 128, causal=True, mask_bits=False)]
+    # dS stored for the dQ GEMMs' K-major reads (`ds_kmajor`), for A/B, on each tile it takes
+    configs += [make_config("bfloat16", d, d, ds_kmajor=True, **mask) for d, mask in (
+        (128, {}), (128, {"causal": True}), (96, {"causal": True}), (64, {}))]
+    configs += [make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True, ds_kmajor=True)]
     return configs
 
 
