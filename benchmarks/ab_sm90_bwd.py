@@ -21,7 +21,9 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   conversion CTAs instead of the postprocess kernel (`in-kernel dQ`), with a causal mask the masked
   path's verdicts by a comparison per (key, query) pair instead of bit masks (`compares`), and
   `deterministic` (ordered dQ reduce-adds, without clusters or rotation), and below head dim 192
-  dS^T stored transposed so that the dQ GEMMs read dS K-major (`dS K-major`, `ds_kmajor`);
+  dS^T stored transposed so that the dQ GEMMs read dS K-major (`dS K-major`, `ds_kmajor`), and with
+  the column split of 64 keys per warpgroup each warpgroup's dQ GEMM over its own keys before the
+  barrier of both (`dQ own first`, `dq_own_first`; also with `ds_kmajor`);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the preprocess and postprocess kernels of its dQ accumulator
@@ -86,6 +88,10 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if not shipped.dkv_split:
         # dS^T stored transposed, so that the dQ GEMMs read dS K-major (flash-attn-4's store)
         flips.append(("dS K-major", {"ds_kmajor": True}))
+    if shipped.dq_split and not shipped.dkv_split:
+        # each warpgroup's dQ GEMM over its own keys before the barrier of both, then the other's
+        flips.append(("dQ own first", {"dq_own_first": True}))
+        flips.append(("dQ own first + dS K-major", {"dq_own_first": True, "ds_kmajor": True}))
     if shipped.dq_rows:
         # the 64-row step it replaced (dQ's columns split, two dQ tiles, dV overlapped, dK after dQ)
         flips.append(("64 rows", {"tile_m": 64, "dq_rows": False, "dq_split": True, "dq_stages": 2,

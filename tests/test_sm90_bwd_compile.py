@@ -179,8 +179,9 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
     # each one is compiled and audited (+ 3 row-major dQ tiles, 11 with the in-kernel dQ and a
-    # comparison-masked tile and 5 with dS K-major (`ds_kmajor`) for A/B)
-    assert len(configs) <= 55
+    # comparison-masked tile, 5 with dS K-major (`ds_kmajor`) and 5 with dQ's own keys first
+    # (`dq_own_first`) for A/B)
+    assert len(configs) <= 60
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
 
@@ -323,6 +324,20 @@ def test_sm90_bwd_ds_kmajor_only_where_the_dq_gemms_alone_read_ds():
     for d in (192, 256):
         with pytest.raises(ValueError, match="ds_kmajor excludes dkv_split"):
             bc.make_config("bfloat16", d, d, ds_kmajor=True)
+
+
+def test_sm90_bwd_dq_own_first_only_on_the_column_split_of_64_keys_per_warpgroup():
+    """`dq_own_first` (an A/B option): off by default; taken where each warpgroup's dQ GEMM runs
+    over both warpgroups' 64 keys (`dq_split` without `dkv_split`: head dims 96, 128, and 64's
+    64-row tile), refused by name elsewhere."""
+    assert not any(bc.make_config("bfloat16", d, d, **mask).dq_own_first
+                   for d in bc.TILE_HEADDIMS for mask in ({}, {"causal": True}))
+    for d, flags in ((96, {}), (128, {"causal": True}), (128, {"ds_kmajor": True}), (64, {"softcap": True})):
+        config = bc.make_config("bfloat16", d, d, dq_own_first=True, **flags)
+        assert config.dq_own_first and "_dqown" in config.name and config.dq_split
+    for d, flags in ((64, {}), (192, {}), (256, {}), (128, {"dq_split": False, "dq_writer": False})):
+        with pytest.raises(ValueError, match="dq_own_first needs dq_split"):
+            bc.make_config("bfloat16", d, d, dq_own_first=True, **flags)
 
 
 def test_sm90_bwd_two_dq_tiles_at_head_dims_64_and_96_with_the_writer_warp():

@@ -439,6 +439,27 @@ def test_sm90_bwd_ds_kmajor_matches_the_oracle_and_the_shipped_kernel(case):
     assert not main.dkv_split, main.name
 
 
+DQ_OWN_FIRST_CASES = [
+    # (d, seqlen_q, seqlen_k, heads, heads_k, mask): the column-split tiles of 64 keys per
+    # warpgroup (96, 128; 64 soft-capped) with odd tails, causal diagonals, a window and GQA
+    (64, 777, 1025, 4, 2, {"softcap": 20.0}),
+    (96, 1000, 1537, 6, 2, {"causal": True}),
+    (128, 40, 100, 2, 2, {}),
+    (128, 1537, 1000, 4, 4, {"causal": True}),
+    (128, 1111, 1111, 8, 2, {"window_left": 100, "window_right": 30}),
+    (128, 2047, 2049, 9, 3, {}),
+]
+
+
+@pytest.mark.parametrize("case", DQ_OWN_FIRST_CASES)
+def test_sm90_bwd_dq_own_first_matches_the_oracle_and_the_shipped_kernel(case):
+    """`dq_own_first` (an A/B option): each warpgroup's dQ GEMM over its own 64 keys, issued before
+    the barrier of both warpgroups, then over the other's. Against the oracle and the shipped
+    main kernel (dK and dV bitwise, dQ to float32 order), every gradient NaN-poisoned first."""
+    main = _flag_matches_the_shipped_kernel(case, "dq_own_first")
+    assert main.dq_split and not main.dkv_split, main.name
+
+
 def _flag_matches_the_shipped_kernel(case, flag: str):
     """The call's shipped main kernel (returned) with `flag` on, against the oracle and against
     itself without it, every gradient NaN-poisoned first: dK and dV bitwise, dQ up to its

@@ -903,6 +903,15 @@ class FlashBwdSm90(TimelineCounters):
             sK_wg = cute.local_tile(sK, (64, cfg.head_dim), (wg_idx, 0))
         tdQrdS = tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(sdS_wg)))
         tdQrKt = tiled_mma_dQ.make_fragment_B(wg_mma_dQ.partition_B(transposed(sK_wg)))
+        if cutlass.const_expr(cfg.dq_own_first):
+            # the dQ GEMM in two halves of the keys: this warpgroup's 64 (its own dS^T rows), then
+            # the other's; K's rows of each, this warpgroup's half of the columns
+            tdQrdS_own, tdQrdS_other = (
+                tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(
+                    cute.local_tile(sdSt, (64, cfg.tile_m, cfg.ds_stages), (w, 0, 0))))) for w in (wg_idx, 1 - wg_idx))
+            tdQrKt_own, tdQrKt_other = (
+                tiled_mma_dQ.make_fragment_B(wg_mma_dQ.partition_B(transposed(
+                    cute.local_tile(sK, (64, cfg.dq_cols), (w, wg_idx))))) for w in (wg_idx, 1 - wg_idx))
         # dS^T from the accumulator's layout; with `ds_kmajor` transposing, into the tile of dS
         stsm_dS = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(cfg.ds_kmajor, 4), self.dtype), tiled_mma_SdP
@@ -1032,6 +1041,12 @@ class FlashBwdSm90(TimelineCounters):
                     if dq_warp:
                         # the previous block's reduce-add is done reading sdQ_wg before it is rewritten
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
+                dq_shape = thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols))
+                if cutlass.const_expr(cfg.dq_own_first):
+                    # this warpgroup's own dS^T rows are in: the dQ GEMM over its keys goes first
+                    cute.arch.barrier(barrier_id=BARRIER_WG + wg_idx, number_of_threads=128)
+                    acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+                    gemm(tiled_mma_dQ, acc_dQ, tdQrdS_own[None, None, None, ds_stage], tdQrKt_own, zero_init=True)
                 if cutlass.const_expr(cfg.dq_split or cfg.dq_rows):
                     # both warpgroups' dS^T rows are in; each last read the other buffer before it
                     # arrived here, so the next step may overwrite that one
@@ -1045,9 +1060,12 @@ class FlashBwdSm90(TimelineCounters):
                                        tdVrdOt[None, None, None, stage], it > 0)
                     gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKsdS[None, None, None, ds_stage],
                                        tdKrQt[None, None, None, stage], it > 0)
-                acc_dQ = cute.make_rmem_tensor(thr_mma_dQ.partition_shape_C((cfg.dq_rows_per_wg, cfg.dq_cols)),
-                                               Float32)
-                gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
+                if cutlass.const_expr(cfg.dq_own_first):
+                    gemm_accumulate_if(tiled_mma_dQ, acc_dQ, tdQrdS_other[None, None, None, ds_stage], tdQrKt_other,
+                                       True)
+                else:
+                    acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+                    gemm(tiled_mma_dQ, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True)
                 if cutlass.const_expr(cfg.dk_after_dq or cfg.dk_behind_dq):
                     gemm_accumulate_if(tiled_mma_dK, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], it > 0)
                     warpgroup.wait_group(1)  # dQ (and dV) in; the end of every read of sdS

@@ -201,6 +201,11 @@ class Sm90BwdConfig:
     # view of dS^T (flash-attn-4's store of dS). Nothing else reads that tile on the tiles it
     # applies to (dK takes dS^T from registers). (A/B option; `make_config` does not set it.)
     ds_kmajor: bool = False
+    # With `dq_split`: each warpgroup's dQ GEMM in two halves of the keys, its own 64 first, issued
+    # once its own dS^T rows are in shared memory (a barrier of the warpgroup), then the other
+    # warpgroup's after the barrier of both: a warpgroup that forms dS^T first queues half its dQ
+    # GEMM instead of waiting for the other. (A/B option; `make_config` does not set it.)
+    dq_own_first: bool = False
     # Shared-memory dQ tiles per warpgroup (with `dq_writer`): with 2 a warpgroup writes a
     # block's tile while the writer warp's reduce-add may still be reading the previous one, and
     # waits only for the one before that (a FULL and an EMPTY barrier per warpgroup and tile).
@@ -404,6 +409,9 @@ class Sm90BwdConfig:
         if self.ds_kmajor and self.dkv_split:
             # dV and dK read P^T and dS^T from that tile there, as (keys, queries) K-major
             raise ValueError("ds_kmajor excludes dkv_split (and keys_n), whose dK and dV read dS^T from shared memory")
+        if self.dq_own_first and (not self.dq_split or self.dkv_split):
+            # the halves are the two warpgroups' 64 keys each
+            raise ValueError("dq_own_first needs dq_split with 64 keys per warpgroup (not dkv_split)")
         if self.dq_fence_late and not self.dq_writer:
             raise ValueError("dq_fence_late needs dq_writer")
         if self.dq_flat and (not self.dq_writer or self.varlen_q or self.dq_swap):
@@ -529,6 +537,8 @@ class Sm90BwdConfig:
             flags.append(f"dq{self.dq_stages}")
         if self.ds_kmajor:
             flags.append("dsk")
+        if self.dq_own_first:
+            flags.append("dqown")
         if not self.mask_bits:
             flags.append("cmpmask")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
@@ -701,6 +711,11 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", d, d, ds_kmajor=True, **mask) for d, mask in (
         (128, {}), (128, {"causal": True}), (96, {"causal": True}), (64, {}))]
     configs += [make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True, ds_kmajor=True)]
+    # each warpgroup's dQ GEMM over its own keys first (`dq_own_first`), for A/B, alone and with
+    # `ds_kmajor`, on the column-split tiles of 64 keys per warpgroup
+    configs += [make_config("bfloat16", d, d, dq_own_first=True, **flags) for d, flags in (
+        (128, {}), (128, {"causal": True}), (128, {"causal": True, "ds_kmajor": True}), (96, {"causal": True}),
+        (64, {"softcap": True}))]
     return configs
 
 
