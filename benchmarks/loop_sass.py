@@ -16,7 +16,8 @@ S = Q K^T and O += P V: exactly head_dim / 16 + tile_n / 16 HGMMAs (the causal l
 diagonal's blocks with `masked_halves` holds the 64-key GEMMs as well, so it is not the one). Printed: the loop's instruction
 count and opcode mix, and the instructions of one trip around it along each path through it
 (a branch inside it, such as the lazy rescale's skip of O's FMULs, makes two): what one warp
-issues per key block. Both kernels' tiles are the same at head dims 64 and 128.
+issues per key block. The tiles are the same at head dim 64 (192 x 128); at 128 ours takes 192 x 80
+against flash-attn-4's 128 x 128.
 
 With `--kernel bwd` it prints the sm_90 backward main kernel's step instead: the loop over the
 query blocks, which holds every HGMMA of the kernel (S^T, dP^T, dV, dK and dQ of one block), and
@@ -162,9 +163,11 @@ def cute_flash_sass(head_dim: int, causal: bool, kernel: str = "sm90") -> tuple[
         return config.name, (Path(tmp) / config.name / "kernel.sass").read_text()
 
 
-def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str]:
-    """flash-attn-4's sm_90 forward for bf16 8 x 2048 x (2048 / head_dim) heads, compiled here
-    (`FA4_CPU_ENV` set before the DSL is first imported)."""
+def _fa4_sass(call) -> list:
+    """The SASS of every kernel flash-attn-4 compiles while `call(fa4_interface, torch)` runs under
+    torch's FakeTensorMode, compiled for sm_90a here (`FA4_CPU_ENV` set before the DSL is first
+    imported). The fake call's launch fails once its kernels are compiled; a call that compiled
+    none raises with that failure."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -183,18 +186,29 @@ def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str]:
         fa4.cute.compile = keeping
         try:
             with FakeTensorMode(allow_non_fake_inputs=True):
-                q = torch.empty(8, 2048, 2048 // head_dim, head_dim, dtype=torch.bfloat16, device="cuda")
                 try:
-                    fa4.flash_attn_func(q, q, q, causal=causal)
-                except Exception as exc:  # the launch of a fake call; the kernel is compiled by then
+                    call(fa4, torch)
+                except Exception as exc:  # the launch of a fake call; the kernels are compiled by then
                     failure = exc
         finally:
             fa4.cute.compile = plain
         if not compiled:
             raise RuntimeError(f"flash-attn-4 compiled no kernel ({type(failure).__name__}: {failure})")
-        cubin = Path(tmp) / "fa4.cubin"
-        cubin.write_bytes(compiled[-1].artifacts.CUBIN)
-        return "flash-attn-4 FlashAttentionForwardSm90", _run("nvdisasm", "-c", str(cubin))
+        sass = []
+        for i, kernel in enumerate(compiled):
+            cubin = Path(tmp) / f"fa4_{i}.cubin"
+            cubin.write_bytes(kernel.artifacts.CUBIN)
+            sass.append(_run("nvdisasm", "-c", str(cubin)))
+        return sass
+
+
+def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str]:
+    """flash-attn-4's sm_90 forward for bf16 8 x 2048 x (2048 / head_dim) heads, compiled here."""
+    def call(fa4, torch):
+        q = torch.empty(8, 2048, 2048 // head_dim, head_dim, dtype=torch.bfloat16, device="cuda")
+        fa4.flash_attn_func(q, q, q, causal=causal)
+
+    return "flash-attn-4 FlashAttentionForwardSm90", _fa4_sass(call)[-1]
 
 
 def cute_flash_bwd_sass(head_dim: int, causal: bool, flags: dict) -> tuple[str, str]:
@@ -213,43 +227,19 @@ def cute_flash_bwd_sass(head_dim: int, causal: bool, flags: dict) -> tuple[str, 
 
 def fa4_bwd_sass(head_dim: int, causal: bool) -> tuple[str, str]:
     """flash-attn-4's sm_90 backward main kernel for bf16 2 x 8192 x (2048 / head_dim) heads,
-    compiled here (`FA4_CPU_ENV` set before the DSL is first imported): of the kernels its
-    `_flash_attn_bwd` compiles (preprocess, main, postprocess), the one with HGMMAs."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    compiled here: of the kernels its `_flash_attn_bwd` compiles (preprocess, main,
+    postprocess), the one with HGMMAs."""
+    def call(fa4, torch):
+        heads = 2048 // head_dim
+        q = torch.empty(2, 8192, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(2, heads, 8192, dtype=torch.float32, device="cuda")
+        fa4._flash_attn_bwd(q, q, q, q, q, lse, causal=causal)
 
-    import flash_attn.cute.interface as fa4
-    from cute_flash.audit import _run
-
-    compiled, failure = [], None
-    with tempfile.TemporaryDirectory() as tmp:
-        plain = fa4.cute.compile
-
-        def keeping(*args, options="", **kwargs):
-            out = plain(*args, options=f"{options} --gpu-arch sm_90a --keep-cubin --dump-dir {tmp}", **kwargs)
-            compiled.append(out)
-            return out
-
-        fa4.cute.compile = keeping
-        try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                heads = 2048 // head_dim
-                q = torch.empty(2, 8192, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-                lse = torch.empty(2, heads, 8192, dtype=torch.float32, device="cuda")
-                try:
-                    fa4._flash_attn_bwd(q, q, q, q, q, lse, causal=causal)
-                except Exception as exc:  # a launch of the fake call; the kernels are compiled by then
-                    failure = exc
-        finally:
-            fa4.cute.compile = plain
-        for i, kernel in enumerate(compiled):
-            cubin = Path(tmp) / f"fa4_bwd_{i}.cubin"
-            cubin.write_bytes(kernel.artifacts.CUBIN)
-            sass = _run("nvdisasm", "-c", str(cubin))
-            if "HGMMA" in sass:
-                return "flash-attn-4 FlashAttentionBackwardSm90", sass
-        raise RuntimeError(f"flash-attn-4 compiled no backward main kernel "
-                           f"({len(compiled)} kernels; {type(failure).__name__}: {failure})")
+    kernels = _fa4_sass(call)
+    main = [sass for sass in kernels if "HGMMA" in sass]
+    if not main:
+        raise RuntimeError(f"flash-attn-4 compiled no backward main kernel ({len(kernels)} kernels)")
+    return "flash-attn-4 FlashAttentionBackwardSm90", main[0]
 
 
 def all_gemms(sass: str) -> int:

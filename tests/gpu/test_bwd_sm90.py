@@ -415,7 +415,7 @@ def test_sm90_bwd_conversion_ctas_match_the_postprocess_kernel(case):
     assert main.dq_flat, main.name
 
 
-DS_KMAJOR_CASES = [
+DQ_GEMM_CASES = [
     # (d, seqlen_q, seqlen_k, heads, heads_k, mask): each tile whose dQ GEMMs read dS from shared
     # memory -- 128 rows (64, `dq_rows`), 64 rows with the column split (96, 128), 64 rows with dK
     # after dQ (64 soft-capped) -- with odd tails, causal diagonals, a window and GQA
@@ -428,36 +428,20 @@ DS_KMAJOR_CASES = [
     (128, 1111, 1111, 8, 2, {"window_left": 100, "window_right": 30}),
     (128, 2047, 2049, 9, 3, {}),
 ]
+# `dq_own_first` takes the column split only: not head dim 64's 128-row tile (without softcap)
+DQ_GEMM_FLAGS = [(flag, case) for flag in ("ds_kmajor", "dq_own_first") for case in DQ_GEMM_CASES
+                 if flag == "ds_kmajor" or case[0] > 64 or "softcap" in case[5]]
 
 
-@pytest.mark.parametrize("case", DS_KMAJOR_CASES)
-def test_sm90_bwd_ds_kmajor_matches_the_oracle_and_the_shipped_kernel(case):
-    """`ds_kmajor` (an A/B option): dS^T stored transposed (stmatrix .trans) so that the dQ GEMMs
-    read dS K-major. Against the oracle, and against the shipped main kernel (dK and dV bitwise,
-    dQ up to its reduce-adds' float32 order), every gradient NaN-poisoned first."""
-    main = _flag_matches_the_shipped_kernel(case, "ds_kmajor")
-    assert not main.dkv_split, main.name
-
-
-DQ_OWN_FIRST_CASES = [
-    # (d, seqlen_q, seqlen_k, heads, heads_k, mask): the column-split tiles of 64 keys per
-    # warpgroup (96, 128; 64 soft-capped) with odd tails, causal diagonals, a window and GQA
-    (64, 777, 1025, 4, 2, {"softcap": 20.0}),
-    (96, 1000, 1537, 6, 2, {"causal": True}),
-    (128, 40, 100, 2, 2, {}),
-    (128, 1537, 1000, 4, 4, {"causal": True}),
-    (128, 1111, 1111, 8, 2, {"window_left": 100, "window_right": 30}),
-    (128, 2047, 2049, 9, 3, {}),
-]
-
-
-@pytest.mark.parametrize("case", DQ_OWN_FIRST_CASES)
-def test_sm90_bwd_dq_own_first_matches_the_oracle_and_the_shipped_kernel(case):
-    """`dq_own_first` (an A/B option): each warpgroup's dQ GEMM over its own 64 keys, issued before
-    the barrier of both warpgroups, then over the other's. Against the oracle and the shipped
-    main kernel (dK and dV bitwise, dQ to float32 order), every gradient NaN-poisoned first."""
-    main = _flag_matches_the_shipped_kernel(case, "dq_own_first")
-    assert main.dq_split and not main.dkv_split, main.name
+@pytest.mark.parametrize("flag,case", DQ_GEMM_FLAGS)
+def test_sm90_bwd_dq_gemm_options_match_the_oracle_and_the_shipped_kernel(flag, case):
+    """The dQ GEMMs' A/B options: `ds_kmajor` (dS^T stored transposed by stmatrix .trans, so that
+    they read dS K-major) and `dq_own_first` (each warpgroup's dQ GEMM over its own 64 keys,
+    issued before the barrier of both warpgroups, then over the other's). Against the oracle
+    and the shipped main kernel (dK and dV bitwise, dQ to float32 order), every gradient
+    NaN-poisoned first."""
+    main = _flag_matches_the_shipped_kernel(case, flag)
+    assert not main.dkv_split and (main.dq_split or flag == "ds_kmajor"), main.name
 
 
 def _flag_matches_the_shipped_kernel(case, flag: str):
