@@ -320,7 +320,7 @@ def test_sm90_bwd_ds_kmajor_only_where_the_dq_gemms_alone_read_ds():
                    for d in bc.TILE_HEADDIMS for mask in ({}, {"causal": True}))
     for d in (64, 96, 128):
         config = bc.make_config("bfloat16", d, d, causal=True, ds_kmajor=True)
-        assert config.ds_kmajor and config.name.endswith("_dsk") and not config.dkv_split
+        assert config.ds_kmajor and "_ds_kmajor" in config.name and not config.dkv_split
     for d in (192, 256):
         with pytest.raises(ValueError, match="ds_kmajor excludes dkv_split"):
             bc.make_config("bfloat16", d, d, ds_kmajor=True)
@@ -334,7 +334,7 @@ def test_sm90_bwd_dq_own_first_only_on_the_column_split_of_64_keys_per_warpgroup
                    for d in bc.TILE_HEADDIMS for mask in ({}, {"causal": True}))
     for d, flags in ((96, {}), (128, {"causal": True}), (128, {"ds_kmajor": True}), (64, {"softcap": True})):
         config = bc.make_config("bfloat16", d, d, dq_own_first=True, **flags)
-        assert config.dq_own_first and "_dqown" in config.name and config.dq_split
+        assert config.dq_own_first and "_dq_own_first" in config.name and config.dq_split
     for d, flags in ((64, {}), (192, {}), (256, {}), (128, {"dq_split": False, "dq_writer": False})):
         with pytest.raises(ValueError, match="dq_own_first needs dq_split"):
             bc.make_config("bfloat16", d, d, dq_own_first=True, **flags)

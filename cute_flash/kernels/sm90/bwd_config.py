@@ -530,15 +530,11 @@ class Sm90BwdConfig:
         flags = [f for f in ("causal", "local", "softcap", "varlen_q", "varlen_k", "seqused_k", "dq_split",
                              "dq_writer", "overlap_dv", "dk_after_dq", "stats_early", "dq_fence_late",
                              "dk_behind_dq", "lpt", "dkv_staged", "dq_rows", "dv_after_ds", "dkv_split",
-                             "keys_n", "single_dout", "dq_swap", "dq_flat", "dq_convert", "timeline", "cluster_q",
-                             "rotate_queries", "deterministic") if getattr(self, f)]
+                             "keys_n", "single_dout", "dq_swap", "dq_flat", "dq_convert", "ds_kmajor", "dq_own_first",
+                             "timeline", "cluster_q", "rotate_queries", "deterministic") if getattr(self, f)]
         hd = f"hd{self.head_dim}" + (f"x{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         if self.dq_stages > 1:
             flags.append(f"dq{self.dq_stages}")
-        if self.ds_kmajor:
-            flags.append("dsk")
-        if self.dq_own_first:
-            flags.append("dqown")
         if not self.mask_bits:
             flags.append("cmpmask")
         tile = f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
