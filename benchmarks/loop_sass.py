@@ -4,7 +4,7 @@
     python benchmarks/loop_sass.py --head-dim 64 --causal --fa4   # and flash-attn-4's, compiled here too
     python benchmarks/loop_sass.py --head-dim 128 --kernel sm80   # the sm_80 forward's (mma.sync) loop
     python benchmarks/loop_sass.py --head-dim 128 --causal --kernel bwd --fa4   # the backward's step
-    python benchmarks/loop_sass.py --head-dim 128 --kernel bwd --flags ds_kmajor=1   # a configuration flag set
+    python benchmarks/loop_sass.py --head-dim 128 --kernel bwd --set ds_kmajor=1     # a configuration flag set
 
 Both kernels are compiled for sm_90a on this machine (no GPU needed): cute_flash's shipped
 configuration (`make_config`, without the K/V clusters), and with `--fa4` flash-attn-4's
@@ -38,6 +38,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timeline_lib import apply_overrides, parse_overrides  # noqa: E402
 
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _INST = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;?\s*$")
@@ -211,12 +213,13 @@ def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str]:
     return "flash-attn-4 FlashAttentionForwardSm90", _fa4_sass(call)[-1]
 
 
-def cute_flash_bwd_sass(head_dim: int, causal: bool, flags: dict) -> tuple[str, str]:
-    """(name, SASS) of the shipped bf16 sm_90 backward main kernel (with `flags` set), for sm_90a."""
+def cute_flash_bwd_sass(head_dim: int, causal: bool, overrides: dict) -> tuple[str, str]:
+    """(name, SASS) of the shipped bf16 sm_90 backward main kernel (with `overrides` of its flags,
+    as `bwd_timeline.py --set` takes them), for sm_90a."""
     from cute_flash.audit import AuditTarget, audit_target
     from cute_flash.kernels.sm90 import bwd_config
 
-    config = bwd_config.make_config("bfloat16", head_dim, head_dim, causal=causal, **flags)
+    config = apply_overrides(bwd_config.make_config("bfloat16", head_dim, head_dim, causal=causal), overrides)
     with tempfile.TemporaryDirectory() as tmp:
         row = audit_target(AuditTarget(config.name, "sm_90a", lambda opts: bwd_config.compile_kernel(config, opts)),
                            keep_dir=Path(tmp))
@@ -247,16 +250,6 @@ def all_gemms(sass: str) -> int:
     return sum("HGMMA" in inst for inst in instructions(sass)[0])
 
 
-def parse_flags(text: str) -> dict:
-    """`name=value,...` as configuration flags: integers, or booleans by 0 / 1 / true / false."""
-    flags = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        name, _, value = item.partition("=")
-        lowered = value.strip().lower()
-        flags[name.strip()] = lowered in ("1", "true") if lowered in ("0", "1", "true", "false") else int(value)
-    return flags
-
-
 # flash-attn-4's settings for compiling without a GPU; the DSL reads CUTE_DSL_ARCH when first imported
 FA4_CPU_ENV = {"FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a", "FLASH_ATTENTION_NUM_SMS": "132"}
 
@@ -269,19 +262,19 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", choices=("sm90", "sm80", "bwd"), default="sm90",
                    help="which cute_flash kernel: the sm_90 forward, the sm_80 one (the mma.sync kernel, compiled "
                         "for sm_90a as the H200 runs it), or the sm_90 backward's main kernel")
-    p.add_argument("--flags", type=parse_flags, default={},
-                   help="configuration flags of the backward, e.g. ds_kmajor=1 (--kernel bwd)")
+    p.add_argument("--set", dest="overrides", type=parse_overrides, default={},
+                   help="configuration flags of the backward to override, e.g. ds_kmajor=1 (--kernel bwd)")
     args = p.parse_args(argv)
     if args.fa4 and args.kernel == "sm80":
         p.error("--fa4 compares against the sm_90 kernels (--kernel sm90 or bwd)")
-    if args.flags and args.kernel != "bwd":
-        p.error("--flags sets the backward's configuration (--kernel bwd)")
+    if args.overrides and args.kernel != "bwd":
+        p.error("--set overrides the backward's configuration (--kernel bwd)")
     if args.fa4:
         for key, value in FA4_CPU_ENV.items():
             os.environ.setdefault(key, value)
 
     if args.kernel == "bwd":
-        sources = [lambda hd, causal: cute_flash_bwd_sass(hd, causal, args.flags)] + ([fa4_bwd_sass] if args.fa4 else [])
+        sources = [lambda hd, causal: cute_flash_bwd_sass(hd, causal, args.overrides)] + ([fa4_bwd_sass] if args.fa4 else [])
         gemms, gemm_op, loop = None, "HGMMA", "the step loop (one query block)"
     else:
         gemms = gemm_count(shipped_config(args.head_dim, args.causal, args.kernel), args.kernel)

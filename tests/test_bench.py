@@ -668,8 +668,12 @@ def test_loop_sass_forks_at_a_branch_with_a_second_predicate():
     # `@P0 BRA P1, ...` (taken where both hold): the backward's masked-block test
     forked = _FORKED.replace("@P1 BRA `(.L_x_2)", "@P0 BRA P1, `(.L_x_2)")
     assert loop_sass.path_lengths(forked, 1) == [5, 7]
-    assert loop_sass.parse_flags("ds_kmajor=1, dq_stages=2,lpt=false") == {"ds_kmajor": True, "dq_stages": 2,
-                                                                          "lpt": False}
+    # its --set is the profiling tools' (0 / 1 turned into booleans for boolean flags)
+    assert loop_sass.parse_overrides("ds_kmajor=1, dq_stages=2,lpt=0") == {"ds_kmajor": 1, "dq_stages": 2, "lpt": 0}
+    from cute_flash.kernels.sm90.bwd_config import make_config
+
+    flagged = loop_sass.apply_overrides(make_config("bfloat16", 128, 128), {"ds_kmajor": 1, "lpt": 0})
+    assert flagged.ds_kmajor is True and flagged.lpt is False
 
 
 def test_loop_sass_finds_the_step_loop_of_the_shipped_backward(capsys):
@@ -683,7 +687,7 @@ def test_loop_sass_finds_the_step_loop_of_the_shipped_backward(capsys):
     # S^T, dP^T and dQ (m64n64, 8 each) and dV, dK (m64n128 over 64 queries, 4 each)
     assert re.search(r"HGMMA\.64x64x16\s+24\b", out) and re.search(r"HGMMA\.64x128x16\s+8\b", out)
     with pytest.raises(SystemExit):
-        loop_sass.main(["--flags", "ds_kmajor=1"])  # the forward takes no backward flags
+        loop_sass.main(["--set", "ds_kmajor=1"])  # the forward takes no backward flags
 
 
 def test_loop_sass_finds_the_key_block_loop_of_the_shipped_kernel(capsys):
