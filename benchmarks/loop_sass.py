@@ -152,8 +152,9 @@ def shipped_config(head_dim: int, causal: bool, kernel: str = "sm90"):
     return _fwd_config(kernel).make_config("bfloat16", head_dim, head_dim, causal=causal)
 
 
-def cute_flash_sass(head_dim: int, causal: bool, kernel: str = "sm90") -> tuple[str, str]:
-    """(name, SASS) of `shipped_config`, compiled for sm_90a (the sm_80 kernel as the H200 runs it)."""
+def cute_flash_sass(head_dim: int, causal: bool, kernel: str = "sm90") -> tuple[str, str, int]:
+    """(name, SASS, the GEMM instructions of one key block) of `shipped_config`, compiled for
+    sm_90a (the sm_80 kernel as the H200 runs it)."""
     from cute_flash.audit import AuditTarget, audit_target
 
     compile_fwd = _fwd_config(kernel).compile_fwd
@@ -162,7 +163,7 @@ def cute_flash_sass(head_dim: int, causal: bool, kernel: str = "sm90") -> tuple[
         row = audit_target(AuditTarget(config.name, "sm_90a", lambda opts: compile_fwd(config, opts)), keep_dir=Path(tmp))
         if row.error:
             raise RuntimeError(row.error)
-        return config.name, (Path(tmp) / config.name / "kernel.sass").read_text()
+        return config.name, (Path(tmp) / config.name / "kernel.sass").read_text(), gemm_count(config, kernel)
 
 
 def _fa4_sass(call) -> list:
@@ -204,17 +205,22 @@ def _fa4_sass(call) -> list:
         return sass
 
 
-def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str]:
-    """flash-attn-4's sm_90 forward for bf16 8 x 2048 x (2048 / head_dim) heads, compiled here."""
+def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str, int]:
+    """flash-attn-4's sm_90 forward for bf16 8 x 2048 x (2048 / head_dim) heads, compiled here,
+    with the HGMMAs of one key block on its own tile (`_tile_size_fwd_sm90`'s)."""
     def call(fa4, torch):
         q = torch.empty(8, 2048, 2048 // head_dim, head_dim, dtype=torch.bfloat16, device="cuda")
         fa4.flash_attn_func(q, q, q, causal=causal)
 
-    return "flash-attn-4 FlashAttentionForwardSm90", _fa4_sass(call)[-1]
+    sass = _fa4_sass(call)[-1]
+    from flash_attn.cute.interface import _tile_size_fwd_sm90
+
+    tile_n = _tile_size_fwd_sm90(head_dim, head_dim, causal, False).n_block_size
+    return "flash-attn-4 FlashAttentionForwardSm90", sass, head_dim // 16 + tile_n // 16
 
 
-def cute_flash_bwd_sass(head_dim: int, causal: bool, overrides: dict) -> tuple[str, str]:
-    """(name, SASS) of the shipped bf16 sm_90 backward main kernel (with `overrides` of its flags,
+def cute_flash_bwd_sass(head_dim: int, causal: bool, overrides: dict) -> tuple[str, str, int]:
+    """(name, SASS, its HGMMA count) of the shipped bf16 sm_90 backward main kernel (with `overrides` of its flags,
     as `bwd_timeline.py --set` takes them), for sm_90a."""
     from cute_flash.audit import AuditTarget, audit_target
     from cute_flash.kernels.sm90 import bwd_config
@@ -225,10 +231,11 @@ def cute_flash_bwd_sass(head_dim: int, causal: bool, overrides: dict) -> tuple[s
                            keep_dir=Path(tmp))
         if row.error:
             raise RuntimeError(row.error)
-        return config.name, (Path(tmp) / config.name / "kernel.sass").read_text()
+        sass = (Path(tmp) / config.name / "kernel.sass").read_text()
+        return config.name, sass, all_gemms(sass)
 
 
-def fa4_bwd_sass(head_dim: int, causal: bool) -> tuple[str, str]:
+def fa4_bwd_sass(head_dim: int, causal: bool) -> tuple[str, str, int]:
     """flash-attn-4's sm_90 backward main kernel for bf16 2 x 8192 x (2048 / head_dim) heads,
     compiled here: of the kernels its `_flash_attn_bwd` compiles (preprocess, main,
     postprocess), the one with HGMMAs."""
@@ -242,7 +249,7 @@ def fa4_bwd_sass(head_dim: int, causal: bool) -> tuple[str, str]:
     main = [sass for sass in kernels if "HGMMA" in sass]
     if not main:
         raise RuntimeError(f"flash-attn-4 compiled no backward main kernel ({len(kernels)} kernels)")
-    return "flash-attn-4 FlashAttentionBackwardSm90", main[0]
+    return "flash-attn-4 FlashAttentionBackwardSm90", main[0], all_gemms(main[0])
 
 
 def all_gemms(sass: str) -> int:
@@ -275,16 +282,15 @@ def main(argv=None) -> int:
 
     if args.kernel == "bwd":
         sources = [lambda hd, causal: cute_flash_bwd_sass(hd, causal, args.overrides)] + ([fa4_bwd_sass] if args.fa4 else [])
-        gemms, gemm_op, loop = None, "HGMMA", "the step loop (one query block)"
+        gemm_op, loop = "HGMMA", "the step loop (one query block)"
     else:
-        gemms = gemm_count(shipped_config(args.head_dim, args.causal, args.kernel), args.kernel)
         gemm_op = "HGMMA" if args.kernel == "sm90" else "HMMA"
         sources = [lambda hd, causal: cute_flash_sass(hd, causal, args.kernel)] + ([fa4_sass] if args.fa4 else [])
         loop = "the key-block loop"
     rows = []
     for source in sources:
-        name, sass = source(args.head_dim, args.causal)
-        body, paths = analyse(sass, gemms or all_gemms(sass), gemm_op=gemm_op)
+        name, sass, gemms = source(args.head_dim, args.causal)
+        body, paths = analyse(sass, gemms, gemm_op=gemm_op)
         rows.append((name, len(body), paths, mix(body)))
     ops = sorted({op for *_, m in rows for op in m}, key=lambda op: -max(m[op] for *_, m in rows))
     print(f"hd{args.head_dim} {'causal' if args.causal else 'no mask'}: {loop}'s instructions "
