@@ -21,9 +21,11 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   conversion CTAs instead of the postprocess kernel (`in-kernel dQ`), with a causal mask the masked
   path's verdicts by a comparison per (key, query) pair instead of bit masks (`compares`), and
   `deterministic` (ordered dQ reduce-adds, without clusters or rotation), and below head dim 192
-  dS^T stored transposed so that the dQ GEMMs read dS K-major (`dS K-major`, `ds_kmajor`), and with
-  the column split of 64 keys per warpgroup each warpgroup's dQ GEMM over its own keys before the
-  barrier of both (`dQ own first`, `dq_own_first`; also with `ds_kmajor`);
+  the dQ GEMMs' two options flipped: at head dims 96 and 128, where both ship, dS read as the
+  MN-major view of dS^T (`dS MN-major`, `ds_kmajor` off), each warpgroup's whole dQ GEMM after
+  the barrier of both (`dQ after both`, `dq_own_first` off) and both off (`dQ after both + dS
+  MN-major`, the kernel before them); at head dim 64 dS^T stored transposed so that the dQ GEMMs
+  read dS K-major (`dS K-major`);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the preprocess and postprocess kernels of its dQ accumulator
@@ -85,13 +87,22 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if not shipped.dv_after_ds and not shipped.softcap:
         # flash-attn-4's order: dV issued once dS^T is formed (no GEMM in flight meanwhile)
         flips.append(("dV after dS", {"dv_after_ds": True, "overlap_dv": False}))
-    if not shipped.dkv_split:
+    if shipped.ds_kmajor:
+        # the dQ GEMMs reading dS as the MN-major view of the dS^T tile
+        flips.append(("dS MN-major", {"ds_kmajor": False}))
+    elif not shipped.dkv_split:
         # dS^T stored transposed, so that the dQ GEMMs read dS K-major (flash-attn-4's store)
         flips.append(("dS K-major", {"ds_kmajor": True}))
-    if shipped.dq_split and not shipped.dkv_split:
+    if shipped.dq_own_first:
+        # each warpgroup's whole dQ GEMM after the barrier of both, alone and with dS MN-major too
+        # (the kernel before the two options)
+        flips.append(("dQ after both", {"dq_own_first": False}))
+        flips.append(("dQ after both + dS MN-major", {"dq_own_first": False, "ds_kmajor": False}))
+    elif shipped.dq_split and not shipped.dkv_split:
         # each warpgroup's dQ GEMM over its own keys before the barrier of both, then the other's
         flips.append(("dQ own first", {"dq_own_first": True}))
-        flips.append(("dQ own first + dS K-major", {"dq_own_first": True, "ds_kmajor": True}))
+        if not shipped.ds_kmajor:
+            flips.append(("dQ own first + dS K-major", {"dq_own_first": True, "ds_kmajor": True}))
     if shipped.dq_rows:
         # the 64-row step it replaced (dQ's columns split, two dQ tiles, dV overlapped, dK after dQ)
         flips.append(("64 rows", {"tile_m": 64, "dq_rows": False, "dq_split": True, "dq_stages": 2,

@@ -547,11 +547,18 @@ def test_ab_sm90_bwd_times_the_shipped_backward_and_distinct_flag_flips(head_dim
     assert flipped["dq_fence_late"].dq_fence_late != configs[0].dq_fence_late
     # the schedule before the two flags existed is among them
     assert any(not c.stats_early and not c.dq_fence_late for c in configs)
-    # dS stored for K-major dQ reads, on the tiles whose dK and dV take P^T and dS^T from registers
-    assert flipped["dS K-major"].ds_kmajor and not configs[0].ds_kmajor
-    # the dQ GEMM's own half first, on the column split of 64 keys per warpgroup (not head dim 64's
-    # 128-row tile, whose warpgroups split dQ's rows)
-    assert ("dQ own first" in flipped) == configs[0].dq_split
+    # the dQ GEMMs' options flipped: off where they ship (96, 128: the column split of 64 keys per
+    # warpgroup), dS K-major where not (64's 128-row tile, whose warpgroups split dQ's rows)
+    shipped = configs[0]
+    if head_dim in (96, 128):
+        assert shipped.ds_kmajor and shipped.dq_own_first and "dS K-major" not in flipped
+        assert not flipped["dS MN-major"].ds_kmajor and flipped["dS MN-major"].dq_own_first
+        assert not flipped["dQ after both"].dq_own_first and flipped["dQ after both"].ds_kmajor
+        before = flipped["dQ after both + dS MN-major"]
+        assert not before.ds_kmajor and not before.dq_own_first
+    else:
+        assert flipped["dS K-major"].ds_kmajor and not shipped.ds_kmajor and not shipped.dq_split
+        assert not any(label.startswith(("dQ own", "dQ after")) for label in flipped), list(flipped)
 
 
 @pytest.mark.parametrize("head_dim", [192, 256])
@@ -562,7 +569,7 @@ def test_ab_sm90_bwd_flips_only_what_the_column_split_tile_takes(head_dim):
     shipped = variants["shipped"]
     assert shipped.dkv_split and "dq_fence_late" in variants and "no lpt" in variants
     assert "stats_early" not in variants and "overlap_dv" not in variants  # P^T / dS^T from shared memory
-    assert "dS K-major" not in variants and "dQ own first" not in variants
+    assert not any("dS " in label or "dQ own" in label or "dQ after" in label for label in variants)
     assert all(c.dkv_split and c.head_dim == head_dim for c in variants.values())
     unmasked = dict(ab_sm90_bwd.variants(head_dim, causal=False))
     assert unmasked["shipped"].rotate_queries and not unmasked["no rotate"].rotate_queries

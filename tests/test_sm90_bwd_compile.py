@@ -179,8 +179,8 @@ def test_sm90_bwd_keys_n_is_a_head_dim_192_column_split_tile():
 def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
     # each one is compiled and audited (+ 3 row-major dQ tiles, 11 with the in-kernel dQ and a
-    # comparison-masked tile, 5 with dS K-major (`ds_kmajor`) and 5 with dQ's own keys first
-    # (`dq_own_first`) for A/B)
+    # comparison-masked tile, 7 with the dQ GEMMs' options off where they ship and 3 with them on
+    # at head dim 64 (`ds_kmajor`, `dq_own_first`) for A/B)
     assert len(configs) <= 60
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
@@ -201,6 +201,8 @@ def test_sm90_bwd_config_names_tell_apart_every_flag():
                 flipped["dq_convert"] = False  # the conversion CTAs read the flat accumulator, unordered
             if f.name == "dk_after_dq":
                 flipped["dk_behind_dq"] = False  # the two exclude each other
+            if f.name == "dq_split":
+                flipped["dq_own_first"] = False  # which splits the column split's dQ GEMM
             if f.name in ("dq_rows", "dv_after_ds"):
                 continue  # the 128-row tile of head dim 64: below
             assert replace(base, **flipped).name != base.name, f.name
@@ -313,26 +315,36 @@ def test_sm90_bwd_dk_behind_dq_where_dk_is_not_carried_after_dq():
 
 
 def test_sm90_bwd_ds_kmajor_only_where_the_dq_gemms_alone_read_ds():
-    """`ds_kmajor` (an A/B option): off by default; taken by the tiles whose only shared-memory
-    reader of dS^T is the dQ GEMM, refused by name on the column-split tiles (192, 256), whose dK
-    and dV read it too."""
-    assert not any(bc.make_config("bfloat16", d, d, **mask).ds_kmajor
-                   for d in bc.TILE_HEADDIMS for mask in ({}, {"causal": True}))
+    """`ds_kmajor`: shipped at head dims 96 and 128 (with any mask, varlen, softcap or
+    determinism), off at 64 (measured level or slower there) but taken when asked, refused by name
+    on the column-split tiles (192, 256), whose dK and dV read dS^T from shared memory too."""
+    for d in bc.TILE_HEADDIMS:
+        for flags in ({}, {"causal": True}, {"local": True, "softcap": True, "varlen_q": True, "varlen_k": True},
+                      {"deterministic": True}):
+            config = bc.make_config("bfloat16", d, d, **flags)
+            assert config.ds_kmajor == (d in (96, 128)), config.name
+            assert ("_ds_kmajor" in config.name) == config.ds_kmajor
     for d in (64, 96, 128):
         config = bc.make_config("bfloat16", d, d, causal=True, ds_kmajor=True)
         assert config.ds_kmajor and "_ds_kmajor" in config.name and not config.dkv_split
+        assert not bc.make_config("bfloat16", d, d, ds_kmajor=False).ds_kmajor
     for d in (192, 256):
         with pytest.raises(ValueError, match="ds_kmajor excludes dkv_split"):
             bc.make_config("bfloat16", d, d, ds_kmajor=True)
 
 
 def test_sm90_bwd_dq_own_first_only_on_the_column_split_of_64_keys_per_warpgroup():
-    """`dq_own_first` (an A/B option): off by default; taken where each warpgroup's dQ GEMM runs
-    over both warpgroups' 64 keys (`dq_split` without `dkv_split`: head dims 96, 128, and 64's
-    64-row tile), refused by name elsewhere."""
-    assert not any(bc.make_config("bfloat16", d, d, **mask).dq_own_first
-                   for d in bc.TILE_HEADDIMS for mask in ({}, {"causal": True}))
-    for d, flags in ((96, {}), (128, {"causal": True}), (128, {"ds_kmajor": True}), (64, {"softcap": True})):
+    """`dq_own_first`: shipped at head dims 96 and 128, where each warpgroup's dQ GEMM runs over
+    both warpgroups' 64 keys (`dq_split` without `dkv_split`); taken when asked on head dim 64's
+    64-row tile; left off where `dq_split` is asked off; refused by name elsewhere."""
+    for d in bc.TILE_HEADDIMS:
+        for flags in ({}, {"causal": True}, {"local": True, "softcap": True, "varlen_q": True, "varlen_k": True},
+                      {"deterministic": True}):
+            config = bc.make_config("bfloat16", d, d, **flags)
+            assert config.dq_own_first == (d in (96, 128)), config.name
+            assert ("_dq_own_first" in config.name) == config.dq_own_first
+    assert not bc.make_config("bfloat16", 128, 128, dq_split=False).dq_own_first
+    for d, flags in ((96, {"ds_kmajor": False}), (128, {"causal": True}), (64, {"softcap": True})):
         config = bc.make_config("bfloat16", d, d, dq_own_first=True, **flags)
         assert config.dq_own_first and "_dq_own_first" in config.name and config.dq_split
     for d, flags in ((64, {}), (192, {}), (256, {}), (128, {"dq_split": False, "dq_writer": False})):

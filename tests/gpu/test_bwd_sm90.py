@@ -411,8 +411,8 @@ def test_sm90_bwd_conversion_ctas_match_the_postprocess_kernel(case):
     Against the oracle, and against the postprocess kernel after the same main kernel without
     them (dQ up to its reduce-adds' float32 order; dK and dV bitwise), with every gradient
     NaN-poisoned first, so a block converted before its last add or never shows."""
-    main = _flag_matches_the_shipped_kernel(case, "dq_convert")
-    assert main.dq_flat, main.name
+    main = _flag_flip_matches_the_shipped_kernel(case, "dq_convert")
+    assert main.dq_flat and not main.dq_convert, main.name
 
 
 DQ_GEMM_CASES = [
@@ -434,21 +434,22 @@ DQ_GEMM_FLAGS = [(flag, case) for flag in ("ds_kmajor", "dq_own_first") for case
 
 
 @pytest.mark.parametrize("flag,case", DQ_GEMM_FLAGS)
-def test_sm90_bwd_dq_gemm_options_match_the_oracle_and_the_shipped_kernel(flag, case):
-    """The dQ GEMMs' A/B options: `ds_kmajor` (dS^T stored transposed by stmatrix .trans, so that
-    they read dS K-major) and `dq_own_first` (each warpgroup's dQ GEMM over its own 64 keys,
-    issued before the barrier of both warpgroups, then over the other's). Against the oracle
-    and the shipped main kernel (dK and dV bitwise, dQ to float32 order), every gradient
-    NaN-poisoned first."""
-    main = _flag_matches_the_shipped_kernel(case, flag)
+def test_sm90_bwd_dq_gemm_options_either_way_match_the_oracle_and_each_other(flag, case):
+    """The dQ GEMMs' options, shipped at head dims 96 and 128 and flipped here either way:
+    `ds_kmajor` (dS^T stored transposed by stmatrix .trans, so that they read dS K-major) and
+    `dq_own_first` (each warpgroup's dQ GEMM over its own 64 keys, issued before the barrier of
+    both warpgroups, then over the other's). Both kernels against the oracle and against each
+    other (dK and dV bitwise, dQ to float32 order), every gradient NaN-poisoned first."""
+    main = _flag_flip_matches_the_shipped_kernel(case, flag)
     assert not main.dkv_split and (main.dq_split or flag == "ds_kmajor"), main.name
+    assert getattr(main, flag) == (case[0] in (96, 128)), main.name
 
 
-def _flag_matches_the_shipped_kernel(case, flag: str):
-    """The call's shipped main kernel (returned) with `flag` on, against the oracle and against
-    itself without it, every gradient NaN-poisoned first: dK and dV bitwise, dQ up to its
-    reduce-adds' float32 order. `case`: (d, seqlen_q, seqlen_k, heads, heads_k, mask), bf16, GQA
-    where heads_k < heads, NaN-framed buffers."""
+def _flag_flip_matches_the_shipped_kernel(case, flag: str):
+    """The call's shipped main kernel (returned) and the same with `flag` flipped, both against
+    the oracle and against each other, every gradient NaN-poisoned first: dK and dV bitwise, dQ
+    up to its reduce-adds' float32 order. `case`: (d, seqlen_q, seqlen_k, heads, heads_k, mask),
+    bf16, GQA where heads_k < heads, NaN-framed buffers."""
     from dataclasses import replace
 
     from cute_flash.backends.cute_bwd import sm90_configs
@@ -459,14 +460,15 @@ def _flag_matches_the_shipped_kernel(case, flag: str):
     k, v = nan_framed_kv(2, seqlen_k, heads_k, d, d, torch.bfloat16)
     args = _args(d, **({"window_right": 0, **mask} if mask.get("causal") else mask))
     main = sm90_configs(q, k, v, None, args)[1]
-    assert not getattr(main, flag), main.name
     ref_out, ref_lse = reference_attention(q, k, v, args, compute_dtype=torch.float32)
     out, lse = ref_out.to(q.dtype), ref_lse.float()
     dout = _transposed_dout(out.shape, q.dtype)
-    on, off = _run_main_kernels((replace(main, **{flag: True}), main), q, k, v, out, lse, dout, args)
-    check_backward(on, dout, None, q, k, v, out, lse, args)
-    assert torch.equal(on[1], off[1]) and torch.equal(on[2], off[2])
-    torch.testing.assert_close(on[0], off[0], atol=1e-3, rtol=1e-2)
+    flipped, shipped = _run_main_kernels((replace(main, **{flag: not getattr(main, flag)}), main),
+                                         q, k, v, out, lse, dout, args)
+    for grads in (flipped, shipped):
+        check_backward(grads, dout, None, q, k, v, out, lse, args)
+    assert torch.equal(flipped[1], shipped[1]) and torch.equal(flipped[2], shipped[2])
+    torch.testing.assert_close(flipped[0], shipped[0], atol=1e-3, rtol=1e-2)
     return main
 
 

@@ -88,6 +88,8 @@ class BwdTile(NamedTuple):
     dv_after_ds: bool = False  # see `Sm90BwdConfig.dv_after_ds`
     dkv_split: bool = False  # see `Sm90BwdConfig.dkv_split`
     keys_n: bool = False  # see `Sm90BwdConfig.keys_n`
+    ds_kmajor: bool = False  # see `Sm90BwdConfig.ds_kmajor`
+    dq_own_first: bool = False  # see `Sm90BwdConfig.dq_own_first`
 
 
 # keyed by the padded head dim
@@ -95,9 +97,9 @@ TILES = {
     64: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, dk_after_dq=True,
                 dq_fence_late=("plain", "masked"), dq_stages=2),
     96: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain", "masked"), dq_stages=2,
-                dk_behind_dq=True),
+                dk_behind_dq=True, ds_kmajor=True, dq_own_first=True),
     128: BwdTile(64, 2, dq_split=True, dq_writer=True, overlap_dv=True, stats_early=("plain", "masked"),
-                 dk_behind_dq=True),
+                 dk_behind_dq=True, ds_kmajor=True, dq_own_first=True),
     # 64 keys per CTA, dK / dV / dQ split over the warpgroups' columns (`dkv_split`); at 256 one
     # stage of (Q, dO): two do not fit next to K, V, P^T, dS^T and the dQ tiles
     # ... and at 192 96 keys per CTA (`keys_n`; with V's head dim 192 one dO stage, `single_dout`)
@@ -199,12 +201,22 @@ class Sm90BwdConfig:
     # dS^T stored transposed (stmatrix .trans) as dS, a (queries, keys) tile with the keys
     # contiguous, so that the dQ GEMMs read their A operand K-major instead of as the MN-major
     # view of dS^T (flash-attn-4's store of dS). Nothing else reads that tile on the tiles it
-    # applies to (dK takes dS^T from registers). (A/B option; `make_config` does not set it.)
+    # applies to (dK takes dS^T from registers). Shipped with `dq_own_first` at head dims 96 and
+    # 128 (see there for the measurements); not at 64, whose 128-row tile measured level or
+    # slower with it (H100, same run: 2 x 8192 x 32 heads, medians 5.284 -> 5.246 ms, causal
+    # 2.732 -> 2.745), nor with `dkv_split`, which it excludes.
     ds_kmajor: bool = False
     # With `dq_split`: each warpgroup's dQ GEMM in two halves of the keys, its own 64 first, issued
     # once its own dS^T rows are in shared memory (a barrier of the warpgroup), then the other
     # warpgroup's after the barrier of both: a warpgroup that forms dS^T first queues half its dQ
-    # GEMM instead of waiting for the other. (A/B option; `make_config` does not set it.)
+    # GEMM instead of waiting for the other. Shipped with `ds_kmajor` at head dims 96 and 128. On
+    # an H100 (bf16, 2 x 8192, 16 heads at 128 and 21 at 96, the backward's three kernels,
+    # `benchmarks/ab_sm90_bwd.py --rounds 7`, medians in ms, shipped before / ds_kmajor /
+    # dq_own_first / both): head dim 128 4.837 / 4.565 / 4.516 / 4.431, causal 2.587 / 2.441 /
+    # 2.369 / 2.422; head dim 96 5.114 / 4.970 / 4.937 / 4.812, causal 2.913 / 2.733 / 2.612 /
+    # 2.577. Both flags ship together: the pair is fastest in three of the four cases (2% behind
+    # `dq_own_first` alone at 128 causal, within the rounds' spread) and its rounds the
+    # steadiest (4.426-4.510 ms at 128 against 4.614-5.207 before).
     dq_own_first: bool = False
     # Shared-memory dQ tiles per warpgroup (with `dq_writer`): with 2 a warpgroup writes a
     # block's tile while the writer warp's reduce-add may still be reading the previous one, and
@@ -598,6 +610,8 @@ def make_config(dtype: str, head_dim: int, head_dim_v: int, **flags) -> Sm90BwdC
     flags.setdefault("dq_rows", tile.dq_rows)
     flags.setdefault("dv_after_ds", tile.dv_after_ds)
     flags.setdefault("dkv_split", tile.dkv_split)
+    flags.setdefault("ds_kmajor", tile.ds_kmajor and not flags["dkv_split"])
+    flags.setdefault("dq_own_first", tile.dq_own_first and flags["dq_split"] and not flags["dkv_split"])
     keys_n_asked = "keys_n" in flags
     # Q's head dim 192, V's up to 192, with the dQ writer warp
     flags.setdefault("keys_n", tile.keys_n and hd == 192 and flags["dq_writer"])
@@ -703,15 +717,16 @@ def shipped_configs() -> list:
     # the masked path by a comparison per pair instead of bit masks, for A/B (at head dim 128,
     # whose registers are the tightest)
     configs += [make_config("bfloat16", 128, 128, causal=True, mask_bits=False)]
-    # dS stored for the dQ GEMMs' K-major reads (`ds_kmajor`), for A/B, on each tile it takes
-    configs += [make_config("bfloat16", d, d, ds_kmajor=True, **mask) for d, mask in (
-        (128, {}), (128, {"causal": True}), (96, {"causal": True}), (64, {}))]
-    configs += [make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True, ds_kmajor=True)]
-    # each warpgroup's dQ GEMM over its own keys first (`dq_own_first`), for A/B, alone and with
-    # `ds_kmajor`, on the column-split tiles of 64 keys per warpgroup
-    configs += [make_config("bfloat16", d, d, dq_own_first=True, **flags) for d, flags in (
-        (128, {}), (128, {"causal": True}), (128, {"causal": True, "ds_kmajor": True}), (96, {"causal": True}),
-        (64, {"softcap": True}))]
+    # the dQ GEMMs' options off where they ship, for A/B: at head dim 128 `ds_kmajor` off,
+    # `dq_own_first` off and both off (the kernel before them), at 96 both off
+    configs += [make_config("bfloat16", 128, 128, **flags, **mask) for mask in ({}, {"causal": True})
+                for flags in ({"ds_kmajor": False}, {"dq_own_first": False}, {"ds_kmajor": False, "dq_own_first": False})]
+    configs += [make_config("bfloat16", 96, 96, causal=True, ds_kmajor=False, dq_own_first=False)]
+    # and on where they do not: `ds_kmajor` on the 128-row tile and the soft-capped 64-row one
+    # at head dim 64, `dq_own_first` on the latter
+    configs += [make_config("bfloat16", 64, 64, ds_kmajor=True),
+                make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True, ds_kmajor=True),
+                make_config("bfloat16", 64, 64, softcap=True, dq_own_first=True)]
     return configs
 
 
