@@ -25,7 +25,8 @@ says what each flag does; at 192 and 256, the column-split tile, only those it t
   MN-major view of dS^T (`dS MN-major`, `ds_kmajor` off), each warpgroup's whole dQ GEMM after
   the barrier of both (`dQ after both`, `dq_own_first` off) and both off (`dQ after both + dS
   MN-major`, the kernel before them); at head dim 64 dS^T stored transposed so that the dQ GEMMs
-  read dS K-major (`dS K-major`);
+  read dS K-major (`dS K-major`), and each warpgroup's dQ GEMM (its 64 rows of the 128-row tile)
+  over its own keys first (`dQ own first`; also with `ds_kmajor`);
 * `before`: `stats_early` and `dq_fence_late` both off, the schedule before either existed.
 
 Every variant runs between the preprocess and postprocess kernels of its dQ accumulator
@@ -98,7 +99,7 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
         # (the kernel before the two options)
         flips.append(("dQ after both", {"dq_own_first": False}))
         flips.append(("dQ after both + dS MN-major", {"dq_own_first": False, "ds_kmajor": False}))
-    elif shipped.dq_split and not shipped.dkv_split:
+    elif (shipped.dq_split or shipped.dq_rows) and not shipped.dkv_split:
         # each warpgroup's dQ GEMM over its own keys before the barrier of both, then the other's
         flips.append(("dQ own first", {"dq_own_first": True}))
         if not shipped.ds_kmajor:

@@ -180,7 +180,7 @@ def test_sm90_bwd_shipped_configs_are_few_distinct_cache_keys():
     configs = bc.shipped_configs()
     # each one is compiled and audited (+ 3 row-major dQ tiles, 11 with the in-kernel dQ and a
     # comparison-masked tile, 7 with the dQ GEMMs' options off where they ship and 3 with them on
-    # at head dim 64 (`ds_kmajor`, `dq_own_first`) for A/B)
+    # at head dim 64 (`dq_own_first`, `ds_kmajor`) for A/B)
     assert len(configs) <= 60
     assert len({c.name for c in configs}) == len(configs) == len(set(configs))
 
@@ -335,8 +335,9 @@ def test_sm90_bwd_ds_kmajor_only_where_the_dq_gemms_alone_read_ds():
 
 def test_sm90_bwd_dq_own_first_only_on_the_column_split_of_64_keys_per_warpgroup():
     """`dq_own_first`: shipped at head dims 96 and 128, where each warpgroup's dQ GEMM runs over
-    both warpgroups' 64 keys (`dq_split` without `dkv_split`); taken when asked on head dim 64's
-    64-row tile; left off where `dq_split` is asked off; refused by name elsewhere."""
+    both warpgroups' 64 keys (`dq_split` without `dkv_split`); taken when asked at head dim 64,
+    on its 128-row tile (`dq_rows`: each warpgroup's dQ rows over both warpgroups' keys) and
+    its 64-row one; left off where `dq_split` is asked off; refused by name elsewhere."""
     for d in bc.TILE_HEADDIMS:
         for flags in ({}, {"causal": True}, {"local": True, "softcap": True, "varlen_q": True, "varlen_k": True},
                       {"deterministic": True}):
@@ -344,10 +345,11 @@ def test_sm90_bwd_dq_own_first_only_on_the_column_split_of_64_keys_per_warpgroup
             assert config.dq_own_first == (d in (96, 128)), config.name
             assert ("_dq_own_first" in config.name) == config.dq_own_first
     assert not bc.make_config("bfloat16", 128, 128, dq_split=False).dq_own_first
-    for d, flags in ((96, {"ds_kmajor": False}), (128, {"causal": True}), (64, {"softcap": True})):
+    for d, flags in ((96, {"ds_kmajor": False}), (128, {"causal": True}), (64, {"softcap": True}), (64, {})):
         config = bc.make_config("bfloat16", d, d, dq_own_first=True, **flags)
-        assert config.dq_own_first and "_dq_own_first" in config.name and config.dq_split
-    for d, flags in ((64, {}), (192, {}), (256, {}), (128, {"dq_split": False, "dq_writer": False})):
+        assert config.dq_own_first and "_dq_own_first" in config.name
+        assert config.dq_split or (config.dq_rows and config.tile_m == 128), config.name
+    for d, flags in ((192, {}), (256, {}), (128, {"dq_split": False, "dq_writer": False})):
         with pytest.raises(ValueError, match="dq_own_first needs dq_split"):
             bc.make_config("bfloat16", d, d, dq_own_first=True, **flags)
 

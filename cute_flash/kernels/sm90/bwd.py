@@ -905,13 +905,17 @@ class FlashBwdSm90(TimelineCounters):
         tdQrKt = tiled_mma_dQ.make_fragment_B(wg_mma_dQ.partition_B(transposed(sK_wg)))
         if cutlass.const_expr(cfg.dq_own_first):
             # the dQ GEMM in two halves of the keys: this warpgroup's 64 (its own dS^T rows), then
-            # the other's; K's rows of each, this warpgroup's half of the columns
+            # the other's; of each, dS^T's columns of the warpgroup's queries (all of the block's
+            # with `dq_split`, its 64 with `dq_rows`) and K's rows, this warpgroup's half of K's
+            # columns with `dq_split` (all of them with `dq_rows`)
+            q_block = wg_idx if cutlass.const_expr(cfg.dq_rows) else 0
+            k_block = wg_idx if cutlass.const_expr(cfg.dq_split) else 0
             tdQrdS_own, tdQrdS_other = (
-                tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(
-                    cute.local_tile(sdSt, (64, cfg.tile_m, cfg.ds_stages), (w, 0, 0))))) for w in (wg_idx, 1 - wg_idx))
+                tiled_mma_dQ.make_fragment_A(wg_mma_dQ.partition_A(transposed(cute.local_tile(
+                    sdSt, (64, cfg.dq_rows_per_wg, cfg.ds_stages), (w, q_block, 0))))) for w in (wg_idx, 1 - wg_idx))
             tdQrKt_own, tdQrKt_other = (
                 tiled_mma_dQ.make_fragment_B(wg_mma_dQ.partition_B(transposed(
-                    cute.local_tile(sK, (64, cfg.dq_cols), (w, wg_idx))))) for w in (wg_idx, 1 - wg_idx))
+                    cute.local_tile(sK, (64, cfg.dq_cols), (w, k_block))))) for w in (wg_idx, 1 - wg_idx))
         # dS^T from the accumulator's layout; with `ds_kmajor` transposing, into the tile of dS
         stsm_dS = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(cfg.ds_kmajor, 4), self.dtype), tiled_mma_SdP

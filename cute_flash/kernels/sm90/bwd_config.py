@@ -206,10 +206,10 @@ class Sm90BwdConfig:
     # slower with it (H100, same run: 2 x 8192 x 32 heads, medians 5.284 -> 5.246 ms, causal
     # 2.732 -> 2.745), nor with `dkv_split`, which it excludes.
     ds_kmajor: bool = False
-    # With `dq_split`: each warpgroup's dQ GEMM in two halves of the keys, its own 64 first, issued
-    # once its own dS^T rows are in shared memory (a barrier of the warpgroup), then the other
-    # warpgroup's after the barrier of both: a warpgroup that forms dS^T first queues half its dQ
-    # GEMM instead of waiting for the other. Shipped with `ds_kmajor` at head dims 96 and 128. On
+    # With `dq_split` (or `dq_rows`, for A/B): each warpgroup's dQ GEMM in two halves of the
+    # keys, its own 64 first, issued once its own dS^T rows are in shared memory (a barrier of
+    # the warpgroup), then the other warpgroup's after the barrier of both: a warpgroup that
+    # forms dS^T first queues half its dQ GEMM instead of waiting for the other. Shipped with `ds_kmajor` at head dims 96 and 128. On
     # an H100 (bf16, 2 x 8192, 16 heads at 128 and 21 at 96, the backward's three kernels,
     # `benchmarks/ab_sm90_bwd.py --rounds 7`, medians in ms, shipped before / ds_kmajor /
     # dq_own_first / both): head dim 128 4.837 / 4.565 / 4.516 / 4.431, causal 2.587 / 2.441 /
@@ -421,9 +421,9 @@ class Sm90BwdConfig:
         if self.ds_kmajor and self.dkv_split:
             # dV and dK read P^T and dS^T from that tile there, as (keys, queries) K-major
             raise ValueError("ds_kmajor excludes dkv_split (and keys_n), whose dK and dV read dS^T from shared memory")
-        if self.dq_own_first and (not self.dq_split or self.dkv_split):
+        if self.dq_own_first and (not (self.dq_split or self.dq_rows) or self.dkv_split):
             # the halves are the two warpgroups' 64 keys each
-            raise ValueError("dq_own_first needs dq_split with 64 keys per warpgroup (not dkv_split)")
+            raise ValueError("dq_own_first needs dq_split or dq_rows with 64 keys per warpgroup (not dkv_split)")
         if self.dq_fence_late and not self.dq_writer:
             raise ValueError("dq_fence_late needs dq_writer")
         if self.dq_flat and (not self.dq_writer or self.varlen_q or self.dq_swap):
@@ -722,11 +722,12 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", 128, 128, **flags, **mask) for mask in ({}, {"causal": True})
                 for flags in ({"ds_kmajor": False}, {"dq_own_first": False}, {"ds_kmajor": False, "dq_own_first": False})]
     configs += [make_config("bfloat16", 96, 96, causal=True, ds_kmajor=False, dq_own_first=False)]
-    # and on where they do not: `ds_kmajor` on the 128-row tile and the soft-capped 64-row one
-    # at head dim 64, `dq_own_first` on the latter
-    configs += [make_config("bfloat16", 64, 64, ds_kmajor=True),
-                make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True, ds_kmajor=True),
-                make_config("bfloat16", 64, 64, softcap=True, dq_own_first=True)]
+    # and on where they do not (head dim 64): `dq_own_first` on the 128-row tile, alone and with
+    # `ds_kmajor`, and both on the soft-capped 64-row tile
+    configs += [make_config("bfloat16", 64, 64, dq_own_first=True),
+                make_config("bfloat16", 64, 64, causal=True, dq_own_first=True, ds_kmajor=True),
+                make_config("float16", 64, 64, local=True, softcap=True, seqused_k=True, ds_kmajor=True,
+                            dq_own_first=True)]
     return configs
 
 
