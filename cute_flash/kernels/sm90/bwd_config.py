@@ -214,9 +214,13 @@ class Sm90BwdConfig:
     # `benchmarks/ab_sm90_bwd.py --rounds 7`, medians in ms, shipped before / ds_kmajor /
     # dq_own_first / both): head dim 128 4.837 / 4.565 / 4.516 / 4.431, causal 2.587 / 2.441 /
     # 2.369 / 2.422; head dim 96 5.114 / 4.970 / 4.937 / 4.812, causal 2.913 / 2.733 / 2.612 /
-    # 2.577. Both flags ship together: the pair is fastest in three of the four cases (2% behind
-    # `dq_own_first` alone at 128 causal, within the rounds' spread) and its rounds the
-    # steadiest (4.426-4.510 ms at 128 against 4.614-5.207 before).
+    # 2.577. A second run on another H100 (5 rounds, shipped / both off): 128 4.426 / 4.457,
+    # causal 2.330 / 2.415; 96 4.808 / 4.887, causal 2.573 / 2.622 (and 8 x 2048 causal at 128
+    # 0.802 / 0.824): ahead or level in every case, by less than the first run said. Both flags
+    # ship together: the pair was fastest in three of the first run's four cases (2% behind
+    # `dq_own_first` alone at 128 causal, within the rounds' spread). On head dim 64's 128-row
+    # tile (`dq_rows`) neither helps (second run: 5.238 shipped, 5.256 with `dq_own_first`,
+    # 5.282 with both; causal 2.714, 2.729, 2.792).
     dq_own_first: bool = False
     # Shared-memory dQ tiles per warpgroup (with `dq_writer`): with 2 a warpgroup writes a
     # block's tile while the writer warp's reduce-add may still be reading the previous one, and
