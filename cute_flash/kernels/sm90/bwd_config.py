@@ -209,12 +209,12 @@ class Sm90BwdConfig:
     # With `dq_split` (or `dq_rows`, for A/B): each warpgroup's dQ GEMM in two halves of the
     # keys, its own 64 first, issued once its own dS^T rows are in shared memory (a barrier of
     # the warpgroup), then the other warpgroup's after the barrier of both: a warpgroup that
-    # forms dS^T first queues half its dQ GEMM instead of waiting for the other. Shipped with `ds_kmajor` at head dims 96 and 128. On
-    # an H100 (bf16, 2 x 8192, 16 heads at 128 and 21 at 96, the backward's three kernels,
-    # `benchmarks/ab_sm90_bwd.py --rounds 7`, medians in ms, shipped before / ds_kmajor /
-    # dq_own_first / both): head dim 128 4.837 / 4.565 / 4.516 / 4.431, causal 2.587 / 2.441 /
-    # 2.369 / 2.422; head dim 96 5.114 / 4.970 / 4.937 / 4.812, causal 2.913 / 2.733 / 2.612 /
-    # 2.577. A second run on another H100 (5 rounds, shipped / both off): 128 4.426 / 4.457,
+    # forms dS^T first queues half its dQ GEMM instead of waiting for the other. Shipped with
+    # `ds_kmajor` at head dims 96 and 128. On an H100 (bf16, 2 x 8192, 16 heads at 128 and 21 at
+    # 96, the backward's three kernels, `benchmarks/ab_sm90_bwd.py --rounds 7`, medians in ms,
+    # shipped before / ds_kmajor / dq_own_first / both): head dim 128 4.837 / 4.565 / 4.516 /
+    # 4.431, causal 2.587 / 2.441 / 2.369 / 2.422; head dim 96 5.114 / 4.970 / 4.937 / 4.812,
+    # causal 2.913 / 2.733 / 2.612 / 2.577. A second run on another H100 (5 rounds, shipped / both off): 128 4.426 / 4.457,
     # causal 2.330 / 2.415; 96 4.808 / 4.887, causal 2.573 / 2.622 (and 8 x 2048 causal at 128
     # 0.802 / 0.824): ahead or level in every case, by less than the first run said. Both flags
     # ship together: the pair was fastest in three of the first run's four cases (2% behind
@@ -723,8 +723,8 @@ def shipped_configs() -> list:
     configs += [make_config("bfloat16", 128, 128, causal=True, mask_bits=False)]
     # the dQ GEMMs' options off where they ship, for A/B: at head dim 128 `ds_kmajor` off,
     # `dq_own_first` off and both off (the kernel before them), at 96 both off
-    configs += [make_config("bfloat16", 128, 128, **flags, **mask) for mask in ({}, {"causal": True})
-                for flags in ({"ds_kmajor": False}, {"dq_own_first": False}, {"ds_kmajor": False, "dq_own_first": False})]
+    off = ({"ds_kmajor": False}, {"dq_own_first": False}, {"ds_kmajor": False, "dq_own_first": False})
+    configs += [make_config("bfloat16", 128, 128, **flags, **mask) for mask in ({}, {"causal": True}) for flags in off]
     configs += [make_config("bfloat16", 96, 96, causal=True, ds_kmajor=False, dq_own_first=False)]
     # and on where they do not (head dim 64): `dq_own_first` on the 128-row tile, alone and with
     # `ds_kmajor`, and both on the soft-capped 64-row tile
