@@ -314,16 +314,22 @@ def test_sm90_bwd_dk_behind_dq_where_dk_is_not_carried_after_dq():
     assert bc.make_config("bfloat16", 64, 64).dk_behind_dq  # the 128-row tile's order
 
 
-def test_sm90_bwd_ds_kmajor_only_where_the_dq_gemms_alone_read_ds():
-    """`ds_kmajor`: shipped at head dims 96 and 128 (with any mask, varlen, softcap or
-    determinism), off at 64 (measured level or slower there) but taken when asked, refused by name
-    on the column-split tiles (192, 256), whose dK and dV read dS^T from shared memory too."""
+@pytest.mark.parametrize("flag", ["ds_kmajor", "dq_own_first"])
+def test_sm90_bwd_dq_gemm_options_ship_at_head_dims_96_and_128(flag):
+    """The dQ GEMMs' options are on by default at head dims 96 and 128, with any mask, varlen,
+    softcap or determinism, off at the others (at 64 measured level or slower), and named in the
+    configuration's name where on."""
     for d in bc.TILE_HEADDIMS:
         for flags in ({}, {"causal": True}, {"local": True, "softcap": True, "varlen_q": True, "varlen_k": True},
                       {"deterministic": True}):
             config = bc.make_config("bfloat16", d, d, **flags)
-            assert config.ds_kmajor == (d in (96, 128)), config.name
-            assert ("_ds_kmajor" in config.name) == config.ds_kmajor
+            assert getattr(config, flag) == (d in (96, 128)), config.name
+            assert (f"_{flag}" in config.name) == getattr(config, flag)
+
+
+def test_sm90_bwd_ds_kmajor_only_where_the_dq_gemms_alone_read_ds():
+    """`ds_kmajor`: taken when asked at head dims 64 to 128, turned off when asked; refused by
+    name on the column-split tiles (192, 256), whose dK and dV read dS^T from shared memory too."""
     for d in (64, 96, 128):
         config = bc.make_config("bfloat16", d, d, causal=True, ds_kmajor=True)
         assert config.ds_kmajor and "_ds_kmajor" in config.name and not config.dkv_split
@@ -334,16 +340,10 @@ def test_sm90_bwd_ds_kmajor_only_where_the_dq_gemms_alone_read_ds():
 
 
 def test_sm90_bwd_dq_own_first_only_on_the_column_split_of_64_keys_per_warpgroup():
-    """`dq_own_first`: shipped at head dims 96 and 128, where each warpgroup's dQ GEMM runs over
-    both warpgroups' 64 keys (`dq_split` without `dkv_split`); taken when asked at head dim 64,
-    on its 128-row tile (`dq_rows`: each warpgroup's dQ rows over both warpgroups' keys) and
-    its 64-row one; left off where `dq_split` is asked off; refused by name elsewhere."""
-    for d in bc.TILE_HEADDIMS:
-        for flags in ({}, {"causal": True}, {"local": True, "softcap": True, "varlen_q": True, "varlen_k": True},
-                      {"deterministic": True}):
-            config = bc.make_config("bfloat16", d, d, **flags)
-            assert config.dq_own_first == (d in (96, 128)), config.name
-            assert ("_dq_own_first" in config.name) == config.dq_own_first
+    """`dq_own_first`: where each warpgroup's dQ GEMM runs over both warpgroups' 64 keys
+    (`dq_split` without `dkv_split`, where it ships); taken when asked at head dim 64, on its
+    128-row tile (`dq_rows`: each warpgroup's dQ rows over both warpgroups' keys) and its 64-row
+    one; left off where `dq_split` is asked off; refused by name elsewhere."""
     assert not bc.make_config("bfloat16", 128, 128, dq_split=False).dq_own_first
     for d, flags in ((96, {"ds_kmajor": False}), (128, {"causal": True}), (64, {"softcap": True}), (64, {})):
         config = bc.make_config("bfloat16", d, d, dq_own_first=True, **flags)
