@@ -152,18 +152,24 @@ def shipped_config(head_dim: int, causal: bool, kernel: str = "sm90"):
     return _fwd_config(kernel).make_config("bfloat16", head_dim, head_dim, causal=causal)
 
 
+def _compiled_sass(name: str, compile_config) -> str:
+    """The SASS of `compile_config(options)` compiled for sm_90a through the audit (`name`: the
+    directory its files are kept in while read)."""
+    from cute_flash.audit import AuditTarget, audit_target
+
+    with tempfile.TemporaryDirectory() as tmp:
+        row = audit_target(AuditTarget(name, "sm_90a", compile_config), keep_dir=Path(tmp))
+        if row.error:
+            raise RuntimeError(row.error)
+        return (Path(tmp) / name / "kernel.sass").read_text()
+
+
 def cute_flash_sass(head_dim: int, causal: bool, kernel: str = "sm90") -> tuple[str, str, int]:
     """(name, SASS, the GEMM instructions of one key block) of `shipped_config`, compiled for
     sm_90a (the sm_80 kernel as the H200 runs it)."""
-    from cute_flash.audit import AuditTarget, audit_target
-
     compile_fwd = _fwd_config(kernel).compile_fwd
     config = shipped_config(head_dim, causal, kernel)
-    with tempfile.TemporaryDirectory() as tmp:
-        row = audit_target(AuditTarget(config.name, "sm_90a", lambda opts: compile_fwd(config, opts)), keep_dir=Path(tmp))
-        if row.error:
-            raise RuntimeError(row.error)
-        return config.name, (Path(tmp) / config.name / "kernel.sass").read_text(), gemm_count(config, kernel)
+    return config.name, _compiled_sass(config.name, lambda opts: compile_fwd(config, opts)), gemm_count(config, kernel)
 
 
 def _fa4_sass(call) -> list:
@@ -212,7 +218,7 @@ def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str, int]:
         q = torch.empty(8, 2048, 2048 // head_dim, head_dim, dtype=torch.bfloat16, device="cuda")
         fa4.flash_attn_func(q, q, q, causal=causal)
 
-    sass = _fa4_sass(call)[-1]
+    sass = _fa4_sass(call)[-1]  # imports flash_attn.cute once FA4_CPU_ENV is set
     from flash_attn.cute.interface import _tile_size_fwd_sm90
 
     tile_n = _tile_size_fwd_sm90(head_dim, head_dim, causal, False).n_block_size
@@ -220,19 +226,13 @@ def fa4_sass(head_dim: int, causal: bool) -> tuple[str, str, int]:
 
 
 def cute_flash_bwd_sass(head_dim: int, causal: bool, overrides: dict) -> tuple[str, str, int]:
-    """(name, SASS, its HGMMA count) of the shipped bf16 sm_90 backward main kernel (with `overrides` of its flags,
-    as `bwd_timeline.py --set` takes them), for sm_90a."""
-    from cute_flash.audit import AuditTarget, audit_target
+    """(name, SASS, its HGMMA count) of the shipped bf16 sm_90 backward main kernel (with
+    `overrides` of its flags, as `bwd_timeline.py --set` takes them), for sm_90a."""
     from cute_flash.kernels.sm90 import bwd_config
 
     config = apply_overrides(bwd_config.make_config("bfloat16", head_dim, head_dim, causal=causal), overrides)
-    with tempfile.TemporaryDirectory() as tmp:
-        row = audit_target(AuditTarget(config.name, "sm_90a", lambda opts: bwd_config.compile_kernel(config, opts)),
-                           keep_dir=Path(tmp))
-        if row.error:
-            raise RuntimeError(row.error)
-        sass = (Path(tmp) / config.name / "kernel.sass").read_text()
-        return config.name, sass, all_gemms(sass)
+    sass = _compiled_sass(config.name, lambda opts: bwd_config.compile_kernel(config, opts))
+    return config.name, sass, all_gemms(sass)
 
 
 def fa4_bwd_sass(head_dim: int, causal: bool) -> tuple[str, str, int]:
