@@ -6,7 +6,8 @@ that advances a state it was passed changes a Python object the loop does not ca
 step the state is back where the loop last saw it. In the sm_90 backward that released the same
 (Q, dO) stage at every step and the producer waited forever for the other one (the 64-row tile of
 head dim 64, from ad107b7, whose `skip_hidden` option moved the release into a helper, until
-133f81c). The rule checked here, over every kernel source: a function that advances a parameter
+133f81c). The rule checked here, over the kernel sources (the modules of a directory read together:
+a kernel class takes helpers from its siblings' mixins): a function that advances a parameter
 (itself, or through a helper) returns it, and every call of it assigns the returned state back
 to the name it passed.
 """
@@ -31,9 +32,9 @@ def _callee(call: ast.Call) -> str | None:
     return f.id if isinstance(f, ast.Name) else None
 
 
-def _functions(tree: ast.Module) -> tuple[list, dict[str, list[str]]]:
-    """The functions of `tree` and each name's parameters (the first function of a name)."""
-    fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+def _functions(trees: list[ast.Module]) -> tuple[list, dict[str, list[str]]]:
+    """The functions of `trees` and each name's parameters (the first function of a name)."""
+    fns = [n for tree in trees for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
     params_of: dict[str, list[str]] = {}
     for fn in fns:
         params_of.setdefault(fn.name, _params(fn))
@@ -63,10 +64,10 @@ def _returned_names(fn: ast.FunctionDef, adv: dict[str, set[str]], params_of: di
     return names
 
 
-def advanced_params(tree: ast.Module) -> dict[str, set[str]]:
+def advanced_params(trees: list[ast.Module]) -> dict[str, set[str]]:
     """Function name -> the parameters it advances, directly (`p.advance()`) or by passing them to
     a function that does (functions of the same name are merged)."""
-    fns, params_of = _functions(tree)
+    fns, params_of = _functions(trees)
     adv: dict[str, set[str]] = {}
     changed = True
     while changed:
@@ -86,11 +87,12 @@ def advanced_params(tree: ast.Module) -> dict[str, set[str]]:
     return {k: v for k, v in adv.items() if v}
 
 
-def lost_advances(source: str) -> list[str]:
-    """Where `source` breaks the rule, one line each."""
-    tree = ast.parse(source)
-    adv = advanced_params(tree)
-    fns, params_of = _functions(tree)
+def lost_advances(*sources: str) -> list[str]:
+    """Where `sources`, read together (a kernel class and the mixins of its sibling modules), break
+    the rule, one line each."""
+    trees = [ast.parse(source) for source in sources]
+    adv = advanced_params(trees)
+    fns, params_of = _functions(trees)
     problems = []
     for fn in fns:
         for p in sorted(adv.get(fn.name, set()) - _returned_names(fn, adv, params_of)):
@@ -111,10 +113,14 @@ def lost_advances(source: str) -> list[str]:
 
 
 def test_kernel_sources_return_the_states_their_helpers_advance():
-    sources = {path: path.read_text() for path in sorted(KERNELS.rglob("*.py"))}
+    # each directory's modules together: a kernel class takes helpers from its siblings' mixins
+    packages: dict[Path, list[str]] = {}
+    for path in sorted(KERNELS.rglob("*.py")):
+        packages.setdefault(path.parent, []).append(path.read_text())
     # not vacuous: the scan reads the kernels whose loops advance pipeline states
-    assert sum(text.count(".advance()") for text in sources.values()) >= 10
-    problems = [f"{path.relative_to(KERNELS)}: {p}" for path, text in sources.items() for p in lost_advances(text)]
+    assert sum(text.count(".advance()") for texts in packages.values() for text in texts) >= 10
+    problems = [f"{package.relative_to(KERNELS.parent)}: {p}" for package, texts in packages.items()
+                for p in lost_advances(*texts)]
     assert problems == []
 
 
@@ -142,6 +148,19 @@ def test_the_deadlocked_form_is_caught():
         "release_previous_stage advances its parameter release_state but does not return it",
         "consume, line 6: release_state passed to step_front is not assigned back",
         "step_front, line 9: the state release_previous_stage advances is dropped",
+    ]
+
+
+def test_a_helper_in_a_sibling_module_is_followed():
+    """The deadlocked form with the helpers in a mixin's module, read with the kernel class's."""
+    kernel, helpers = DEADLOCKED.split("    def step_front")
+    mixin = "class Mixin:\n    def step_front" + helpers
+    assert lost_advances(kernel) == []
+    assert lost_advances(kernel, mixin) == [
+        "step_front advances its parameter release_state but does not return it",
+        "release_previous_stage advances its parameter release_state but does not return it",
+        "consume, line 6: release_state passed to step_front is not assigned back",
+        "step_front, line 3: the state release_previous_stage advances is dropped",
     ]
 
 

@@ -277,7 +277,7 @@ def test_sm90_bwd_rotated_walk_visits_every_query_block_of_every_head_once(m_ste
     """`QueryWalk` with a rotation: each head's blocks from the m_rot-th on, wrapping around,
     so a CTA still meets every (head, query block) of its group exactly once, head by head; without
     one, in order from the first block."""
-    from cute_flash.kernels.sm90.bwd import QueryWalk
+    from cute_flash.kernels.sm90.bwd_sync import QueryWalk
 
     head_k, m_block_min = 2, 3
     everything = [(head_k * group + h, m_block_min + m) for h in range(group) for m in range(m_steps)]
@@ -613,7 +613,7 @@ def test_sm90_bwd_deterministic_turns_follow_the_launch_order(mask, seqlen_q, se
     block at the same step or earlier, so CTAs walking in lockstep never wait."""
     from cute_flash.kernels.common.block_info import BlockInfo
     from cute_flash.kernels.common.seqlen_info import SeqlenInfo
-    from cute_flash.kernels.sm90.fwd import tile_coords
+    from cute_flash.kernels.sm90.fwd_sync import tile_coords
 
     flags = {"none": {}, "causal": {"causal": True}, "local": {"local": True}}[mask]
     cfg = bc.make_config("bfloat16", d, d, deterministic=True, **flags)

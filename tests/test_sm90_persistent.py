@@ -9,7 +9,7 @@ import torch
 from cute_flash.backends.base import AttnArgs
 from cute_flash.backends.cute import PERSISTENT_L2_BYTES, CuteSm90Backend, heads_per_section, persistent_schedule
 from cute_flash.kernels.sm90 import fwd_config as fc
-from cute_flash.kernels.sm90.fwd import cluster_tile_coords, tile_coords
+from cute_flash.kernels.sm90.fwd_sync import cluster_tile_coords, tile_coords
 
 
 @pytest.mark.parametrize("m_blocks,heads,batch,per_section", [(1, 1, 1, 1), (5, 3, 2, 1), (5, 3, 2, 4), (7, 4, 3, 5),

@@ -512,7 +512,7 @@ SECTIONED_TILE_ORDER = True
 
 def heads_per_section(config, q, k, args: AttnArgs, num_ctas: Optional[int] = None) -> int:
     """The (batch, head) pairs of one section of the sm_90 forward's tile order
-    (`FlashFwdSm90.tile_coords`): for causal and local calls, whose tiles go longest first
+    (`kernels/sm90/fwd_sync.tile_coords`): for causal and local calls, whose tiles go longest first
     across a section, the most consecutive pairs whose K and V fit in `PERSISTENT_L2_BYTES`
     (with `SECTIONED_TILE_ORDER`); for a causal call of `num_ctas` persistent CTAs at least
     `least_causal_section`'s; raised to a size that divides the pairs where one up to twice that

@@ -166,6 +166,13 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, frg_a)
 
 
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """The (cols, rows[, stages]) view of a (rows, cols[, stages]) shared-memory tile: the
+    MN-major operand over the same bytes."""
+    order = [1, 0, 2] if cutlass.const_expr(cute.rank(t) == 3) else [1, 0]
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=order))
+
+
 def elem_pointer(t: cute.Tensor, i):
     """Pointer to element `i` (flat index or coordinate) of `t`, for per-element atomics."""
     return t.iterator + cute.crd2idx(i, t.layout)

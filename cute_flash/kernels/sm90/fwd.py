@@ -18,13 +18,14 @@ configuration, several in turn (see below), with `1 + num_consumer_wgs` warpgrou
    used directly as the register A operand of O += P·V (V as the MN-major B operand).
    Intra-warpgroup overlap: the S GEMM of block n-1 and the P·V GEMM of block n are issued
    together; the softmax of block n-1 runs while P·V is still in flight, and O is rescaled after
-   that GEMM is waited for (before the next P·V is issued, with `rescale_o_before_pv`). Ping-pong: named barriers let one warpgroup issue its GEMMs
-   while the other one is in its softmax, so the tensor cores and the MUFU unit stay busy.
+   that GEMM is waited for (before the next P·V is issued, with `rescale_o_before_pv`).
+   Ping-pong: named barriers let one warpgroup issue its GEMMs while the other one is in its
+   softmax, so the tensor cores and the MUFU unit stay busy.
    With `masked_halves` a warpgroup whose 64 rows see at most the first half of a masked key
    block runs its GEMMs over those 64 keys only (`attend_block_halves`).
 3. Epilogue: O / rowsum rounded to the input dtype (round-to-nearest-even) goes to shared
-   memory (over the Q tile; a buffer of its own when persistent) by `stmatrix`, then out by one TMA store (clipped at the sequence
-   and head-dim ends); varlen batches store with predicated 128-bit copies instead, because a
+   memory (over the Q tile; a buffer of its own when persistent) by `stmatrix`, then out by
+   one TMA store (clipped at the sequence and head-dim ends); varlen batches store with predicated 128-bit copies instead, because a
    TMA box would run into the next sequence's rows. LSE (natural log, float32) is written by
    the lanes that own column 0.
 
@@ -33,24 +34,9 @@ are launched from the last query block down, so the longest tiles start first, a
 of a section of (batch, head) pairs whose K/V fit in L2 (`tile_coords`): the grid's last tiles
 are then the shortest of all, not the last head's longest.
 
-Persistent configurations (`persistent`: head dims 64 to 128) launch one CTA per SM, and each
-walks the tiles blockIdx.x, + gridDim.x, ... (or those of the tile counter, below) in the order of
-`tile_coords` (sections of (batch, head) pairs whose K/V fit in L2, longest tiles first for causal
-masks and local windows). Producer and
-consumers walk the same sequence; the ring states of Q and K/V carry over from tile to tile, the
-consumers release Q once a tile's last S GEMM is done, so the producer loads the next tile's Q
-and first K blocks while this tile's last P·V and epilogue run. O then has its own shared
-memory instead of Q's. The ping-pong turn carries over too: both warpgroups run the same
-number of blocks per tile.
-
-With a causal mask the tiles differ in length and a fixed stride leaves some SMs with far more
-work than others: such a configuration (`tile_counter`) takes its first tile from blockIdx.x
-and every later one from a global counter (one atomic add by the producer warp, issued once
-it has issued the current tile's loads, `late_take`), longest first in `tile_coords`' order,
-so a CTA that finishes early takes the next tile, as the hardware's grid scheduler would. The
-producer hands each tile index to the consumers through shared memory between two named
-barriers. The call's last add sets the counter back to 0 (`reset_counter_after_last_add`), so
-one counter per stream serves every call (`CuteSm90Backend.tile_counter`).
+Persistent configurations (`persistent`: head dims 64 to 128) launch one CTA per SM, which walks
+its tiles in turn (`fwd_persistent.py`), with a tile counter where a causal mask makes the tiles'
+lengths differ (`tile_counter`).
 
 K/V clusters (`cluster_kv`: calls without a window, varlen or seqused_k, with an even number of
 query blocks, on tiles of 80 keys or more): the grid is launched in clusters of two CTAs on
@@ -94,18 +80,11 @@ from ..common.smem_layouts import make_row_tiled_copy, wgmma_smem_layout_tile
 from ..common.softmax import OnlineSoftmax
 from ..common.tiles import LAZY_RESCALE_LOG2
 from ..common.timeline import TimelineCounters
-from ..common.utils import acc_mn_view, col_predicate, store_pairs_16bit, tanhf
+from ..common.utils import acc_mn_view, col_predicate, store_pairs_16bit, tanhf, transposed
 from .fwd_config import TIMELINE_PHASES, Sm90FwdConfig
+from .fwd_persistent import PersistentTiles
+from .fwd_sync import BARRIER_EPILOGUE, BARRIER_PINGPONG, tile_coords
 from .wgmma import acc_as_mma_sync, gemm, probs_as_operand_a
-
-# Named barriers (0 is __syncthreads): the consumers' epilogue, one per consumer warpgroup (up to
-# 3) for the ping-pong order of GEMM issue, then the hand-over of a `tile_counter` CTA's next
-# tile index (full: written by the producer; empty: read by every consumer).
-BARRIER_EPILOGUE = 1
-BARRIER_PINGPONG = 2
-BARRIER_TILE_FULL = 5
-BARRIER_TILE_EMPTY = 6
-
 
 class MaskedHalves(NamedTuple):
     """`masked_halves`: a consumer warpgroup's S GEMM over the first half of a key block's keys,
@@ -131,56 +110,12 @@ def tma_view(mX: cute.Tensor, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
     return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=order))
 
 
-def tile_coords(tile, num_m_blocks, num_heads, num_batch, heads_per_section, longest_first: bool, minimum=min):
-    """(m_block, head, batch) of tile `tile` of a persistent grid (plain integer arithmetic: the
-    kernel passes its Int32 values and `cutlass.min`, the tests Python ints).
-
-    The (batch, head) pairs are cut into sections of `heads_per_section` consecutive ones (the
-    query heads of one KV head are neighbours); a section's tiles come together, the query blocks
-    of its heads side by side, so that the K/V they read is shared in L2 while it lasts. Inside a
-    section the query blocks go from the first to the last, or, for causal and local attention
-    (`longest_first`), from the last (the most keys) to the first. With one head per section this
-    is the order of the non-persistent grid. The sm_90 backward's causal grid takes its key blocks
-    in this order (`Sm90BwdConfig.lpt`: key block 0, the first, meets the most queries).
-    """
-    pairs = num_heads * num_batch
-    section_tiles = num_m_blocks * heads_per_section
-    section = tile // section_tiles
-    r = tile - section * section_tiles
-    heads_here = minimum(heads_per_section, pairs - section * heads_per_section)
-    m_idx = r // heads_here
-    pair = section * heads_per_section + r - m_idx * heads_here
-    m_block = num_m_blocks - 1 - m_idx if longest_first else m_idx
-    return m_block, pair % num_heads, pair // num_heads
-
-
-def cluster_tile_coords(tile, num_m_blocks, rank, maximum=max):
-    """(m_block, (batch, head) pair, lone) of tile `tile` of a persistent K/V-cluster grid for the
-    CTA of cluster rank `rank` (plain integer arithmetic, as `tile_coords`).
-
-    The pairs go two at a time, and pairs 2g and 2g + 1 have num_m_blocks tiles between them:
-    num_m_blocks // 2 each of two neighbouring query blocks (lone 0: the CTAs share the pair's
-    K/V, each loading half of every tile into both), and with an odd number of query blocks a
-    last one of the last query block of both (lone 1: CTA r takes pair 2g + r's and loads its
-    K/V alone), so that both CTAs of a cluster always walk the same number of key blocks. With
-    an even number this is the order of `tile_coords` with one head per section. The caller
-    takes an even number of pairs where num_m_blocks is odd (`with_cluster_kv`)."""
-    half = num_m_blocks // 2
-    group = tile // num_m_blocks
-    r = tile - group * num_m_blocks
-    lone = (num_m_blocks - 2 * half) * ((r + 1) // num_m_blocks)
-    side = r // maximum(half, 1)
-    pair = 2 * group + (1 - lone) * side + lone * rank
-    m_block = (1 - lone) * (2 * (r - side * half) + rank) + lone * 2 * half
-    return m_block, pair, lone
-
-
 def multicast(mask) -> dict:
     """The keyword arguments of a TMA `cute.copy` into the CTAs of `mask` (none for a CTA's own copy)."""
     return {} if mask is None else {"mcast_mask": mask}
 
 
-class FlashFwdSm90(TimelineCounters):
+class FlashFwdSm90(PersistentTiles, TimelineCounters):
     """The sm_90 forward kernel for one `Sm90FwdConfig` (all compile-time choices live there)."""
 
     def __init__(self, config: Sm90FwdConfig):
@@ -455,167 +390,12 @@ class FlashFwdSm90(TimelineCounters):
         num_heads_k = mK.shape[1] if cutlass.const_expr(cfg.varlen_k) else mK.shape[2]
         return num_heads, num_heads_k
 
-    def persistent_tile(self, tile, num_m_blocks, num_heads, num_batch, heads_per_section, mQ, mK, mCuSeqlensQ,
-                        mCuSeqlensK, mSeqUsedK, window_left, window_right) -> tuple:
-        """(m_block, head, batch, lone) of a persistent CTA's tile `tile` (`tile_coords`, longest
-        first with a causal mask or window; with `cluster_kv` `cluster_tile_coords`, whose `lone`
-        tiles load their K/V without the other CTA, else None) and that sequence's `sequence`."""
-        cfg = self.cfg
-        lone = None
-        if cutlass.const_expr(cfg.cluster_kv):
-            # `tile` is a pair of query blocks (or, `lone`, the last ones of two heads); this CTA
-            # takes the one of its rank in the cluster (one head per section: no mask)
-            m_block, pair, lone = cluster_tile_coords(tile, num_m_blocks, cute.arch.block_idx_in_cluster(), cutlass.max)
-            head, batch = pair % num_heads, pair // num_heads
-        else:
-            m_block, head, batch = tile_coords(
-                tile, num_m_blocks, num_heads, num_batch, heads_per_section, cfg.causal or cfg.local, cutlass.min
-            )
-        return (m_block, head, batch, lone) + self.sequence(
-            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right
-        )
-
     def sequence(self, batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right) -> tuple:
         """(lengths, effective window left / right, block ranges) of sequence `batch`."""
         cfg = self.cfg
         seqlen = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         left, right = effective_window(seqlen, window_left, window_right, cfg.local)
         return seqlen, left, right, BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local, left, right)
-
-    # ------------------------------------------------------------------------------------------
-    # persistent CTAs
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def run_persistent(
-        self, tidx, warp_idx, mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
-        tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, tma_O, tma_mO, sQ, sK, sV, sO, sP,
-        pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv,
-        softmax_scale_log2, softcap_prescale, window_left, window_right,
-        num_m_blocks, num_batch, heads_per_section, mTileCounter, sNextTile,
-    ):
-        """Every tile of this CTA, producer and consumers walking the same sequence with ring
-        states that carry over from tile to tile: blockIdx.x, + gridDim.x, ..., or, with
-        `tile_counter`, blockIdx.x and then whatever the counter hands out."""
-        cfg = self.cfg
-        num_heads, _ = self.head_counts(mQ, mK)
-        num_tiles = num_m_blocks * num_heads * num_batch
-        first_tile, _, _ = cute.arch.block_idx()
-        tile_step = cute.arch.grid_dim()[0]
-        if cutlass.const_expr(cfg.cluster_kv):
-            # a cluster walks the pairs of neighbouring query blocks (`persistent_tile`)
-            num_tiles, first_tile, tile_step = num_tiles // 2, first_tile // 2, tile_step // 2
-        # what `persistent_tile` takes besides the tile: producer and consumers walk the same tiles
-        tile_args = (num_m_blocks, num_heads, num_batch, heads_per_section, mQ, mK, mCuSeqlensQ, mCuSeqlensK,
-                     mSeqUsedK, window_left, window_right)
-        # the producer warp and every consumer thread meet at the hand-over barriers
-        handover_threads = 32 + self.num_consumer_threads
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(cfg.registers[1])
-            if warp_idx == 0:
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
-                load_args = (tma_Q, tma_mQ, tma_K, tma_mK, tma_V, tma_mV, sQ, sK, sV,
-                             pipeline_q, pipeline_k, pipeline_v)
-                if cutlass.const_expr(cfg.tile_counter):
-                    tile = first_tile
-                    while tile < num_tiles:
-                        # `late_take`: taken once this tile's loads are issued, so that the next
-                        # tile goes to a CTA about to be free, as the grid scheduler would hand it
-                        # out; else taken now, and read after the loads, which hide its latency
-                        taken = None if cutlass.const_expr(cfg.late_take) else self.take_tile(mTileCounter)
-                        q_state, kv_state = self.load_persistent_tile(tile, tile_args, load_args, q_state, kv_state)
-                        if cutlass.const_expr(cfg.late_take):
-                            taken = self.take_tile(mTileCounter)
-                        self.reset_counter_after_last_add(mTileCounter, taken, num_tiles - 1)
-                        next_tile = cute.arch.shuffle_sync(taken, 0) + tile_step
-                        cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=handover_threads)
-                        sNextTile[0] = next_tile
-                        cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL, number_of_threads=handover_threads)
-                        tile = next_tile
-                else:
-                    for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
-                        q_state, kv_state = self.load_persistent_tile(tile, tile_args, load_args, q_state, kv_state)
-                if cutlass.const_expr(cfg.cluster_kv):
-                    self.kv_tail(pipeline_k, pipeline_v, kv_state)
-        else:
-            cute.arch.setmaxregister_increase(cfg.registers[0])
-            ctidx = tidx - 128
-            if cutlass.const_expr(cfg.pingpong):
-                # The first warpgroup holds the first GEMM-issue turn (once: the turns carry over).
-                if ctidx < 128:
-                    cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG, number_of_threads=256)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-            consume_args = (ctidx, warp_idx, mO, mLSE, tma_O, tma_mO, sQ, sK, sV, sO, sP,
-                            pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv)
-            if cutlass.const_expr(cfg.tile_counter):
-                tile = first_tile
-                while tile < num_tiles:
-                    # the slot is free again: the index of this tile was read from it
-                    cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=handover_threads)
-                    q_state, kv_state = self.consume_persistent_tile(
-                        tile, tile_args, consume_args, softmax_scale_log2, softcap_prescale, q_state, kv_state
-                    )
-                    cute.arch.barrier(barrier_id=BARRIER_TILE_FULL, number_of_threads=handover_threads)
-                    tile = sNextTile[0]
-            else:
-                for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
-                    q_state, kv_state = self.consume_persistent_tile(
-                        tile, tile_args, consume_args, softmax_scale_log2, softcap_prescale, q_state, kv_state
-                    )
-
-    @cute.jit
-    def take_tile(self, mTileCounter: cute.Tensor):
-        """One atomic add on the tile counter by lane 0, whose old value is returned (in lane 0; the
-        caller broadcasts it): the CTA's next tile is num_ctas + that value (the first num_ctas
-        tiles went by blockIdx.x)."""
-        taken = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            taken = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu")
-        return taken
-
-    @cute.jit
-    def reset_counter_after_last_add(self, mTileCounter: cute.Tensor, taken, last):
-        """Lane 0 sets the tile counter back to 0 if its add (`taken`) was the call's last.
-
-        Every tile a CTA works on costs it exactly one add (its last tile's add hands out none),
-        so a call makes num_tiles adds in all, which return 0, 1, ..., num_tiles - 1 in the order
-        the counter takes them: the add that returned `last` (num_tiles - 1) was the call's last,
-        and after it the counter is the next call's on the stream. Called after the tile's
-        loads, like the read of `taken`, so that no load waits for the atomic."""
-        if cute.arch.lane_idx() == 0:
-            if taken == last:
-                cute.arch.atomic_exch(mTileCounter.iterator, Int32(0), sem="relaxed", scope="gpu")
-
-    @cute.jit
-    def load_persistent_tile(self, tile, tile_args, load_args, q_state, kv_state):
-        """The producer's loads of persistent tile `tile` (none if it has no visible key)."""
-        cfg = self.cfg
-        num_heads, num_heads_k = self.head_counts(tile_args[4], tile_args[5])
-        m_block, head, batch, lone, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
-        if m_block * cfg.tile_m < seqlen.seqlen_q:
-            n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
-            if n_block_max > n_block_min:
-                q_state, kv_state = self.load(
-                    *load_args, seqlen, m_block, head, head // (num_heads // num_heads_k), batch,
-                    n_block_min, n_block_max, states=(q_state, kv_state), lone=lone,
-                )
-        return q_state, kv_state
-
-    @cute.jit
-    def consume_persistent_tile(self, tile, tile_args, consume_args, softmax_scale_log2, softcap_prescale,
-                                q_state, kv_state):
-        """The consumers' share of persistent tile `tile`."""
-        cfg = self.cfg
-        m_block, head, batch, _, seqlen, left, right, block_info = self.persistent_tile(tile, *tile_args)
-        if m_block * cfg.tile_m < seqlen.seqlen_q:
-            n_block_min, n_block_max = block_info.n_block_range(seqlen, m_block)
-            mask = AttentionMask(cfg.tile_m, cfg.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, left, right, cfg.mask_bits)
-            q_state, kv_state = self.consume(
-                *consume_args, seqlen, block_info, mask, m_block, head, batch, n_block_min, n_block_max,
-                softmax_scale_log2, softcap_prescale, states=(q_state, kv_state),
-            )
-        return q_state, kv_state
 
     # ------------------------------------------------------------------------------------------
     # producer
@@ -735,7 +515,7 @@ class FlashFwdSm90(TimelineCounters):
         wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
         wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
         # Vᵀ (dv, n, stage) over V's bytes: the B operand of P·V.
-        sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
+        sVt = transposed(sV)
         tSrQ = tiled_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = tiled_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrVt = tiled_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))

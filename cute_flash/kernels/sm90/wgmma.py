@@ -35,6 +35,12 @@ def probs_as_operand_a(rP: cute.Tensor, thr_mma_pv, tile_mk: tuple) -> cute.Tens
 
 
 @cute.jit
+def smem_operands(tiled_mma: cute.TiledMma, wg_mma, a: cute.Tensor, b: cute.Tensor) -> tuple:
+    """The A and B fragments of a GEMM whose operands both come from shared memory, partitioned
+    by the warpgroup's slice `wg_mma` (`FlashBwdSm90.mma_slices`)."""
+    return tiled_mma.make_fragment_A(wg_mma.partition_A(a)), tiled_mma.make_fragment_B(wg_mma.partition_B(b))
+
+
 def gemm(
     tiled_mma: cute.TiledMma,
     acc: cute.Tensor,
