@@ -88,22 +88,18 @@ def variants(head_dim: int, causal: bool, only=None) -> list:
     if not shipped.dv_after_ds and not shipped.softcap:
         # flash-attn-4's order: dV issued once dS^T is formed (no GEMM in flight meanwhile)
         flips.append(("dV after dS", {"dv_after_ds": True, "overlap_dv": False}))
-    if shipped.ds_kmajor:
-        # the dQ GEMMs reading dS as the MN-major view of the dS^T tile
-        flips.append(("dS MN-major", {"ds_kmajor": False}))
-    elif not shipped.dkv_split:
-        # dS^T stored transposed, so that the dQ GEMMs read dS K-major (flash-attn-4's store)
-        flips.append(("dS K-major", {"ds_kmajor": True}))
+    # The dQ GEMMs' two options, flipped where the tile takes them (`replace` refuses the others,
+    # the column-split tile's): dS read K-major from a transposed dS^T store (flash-attn-4's) or
+    # as the MN-major view of the dS^T tile; each warpgroup's dQ GEMM over its own keys before the
+    # barrier of both, then the other's, or all of it after the barrier.
+    flips.append(("dS MN-major" if shipped.ds_kmajor else "dS K-major", {"ds_kmajor": not shipped.ds_kmajor}))
     if shipped.dq_own_first:
-        # each warpgroup's whole dQ GEMM after the barrier of both, alone and with dS MN-major too
-        # (the kernel before the two options)
+        # alone, and with dS MN-major too (the kernel before the two options)
         flips.append(("dQ after both", {"dq_own_first": False}))
         flips.append(("dQ after both + dS MN-major", {"dq_own_first": False, "ds_kmajor": False}))
-    elif (shipped.dq_split or shipped.dq_rows) and not shipped.dkv_split:
-        # each warpgroup's dQ GEMM over its own keys before the barrier of both, then the other's
+    else:
         flips.append(("dQ own first", {"dq_own_first": True}))
-        if not shipped.ds_kmajor:
-            flips.append(("dQ own first + dS K-major", {"dq_own_first": True, "ds_kmajor": True}))
+        flips.append(("dQ own first + dS K-major", {"dq_own_first": True, "ds_kmajor": True}))
     if shipped.dq_rows:
         # the 64-row step it replaced (dQ's columns split, two dQ tiles, dV overlapped, dK after dQ)
         flips.append(("64 rows", {"tile_m": 64, "dq_rows": False, "dq_split": True, "dq_stages": 2,
