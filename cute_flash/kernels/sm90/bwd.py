@@ -52,10 +52,9 @@ formed in registers and dK/dV are written once, in the input dtype.
    warpgroup's dV^T and dK^T over the whole head dims and its own keys. With V's head dim 192
    dO and D come through a one-stage ring of their own, Q through two (`single_dout`).
 3. Epilogue (`bwd_epilogue.py`): dK (scaled) and dV rounded to the input dtype (RNE), stored
-   row-predicated. TMA
-   clips the dQ reduce-adds at the tensor's last row; in a varlen batch the rows of a block past
-   its sequence are those of the next one, and they get + 0.0 (P^T, so dS^T and that part of
-   dQ, is 0 there).
+   row-predicated. TMA clips the dQ reduce-adds at the tensor's last row; in a varlen batch the
+   rows of a block past its sequence are those of the next one, and they get + 0.0 (P^T, so dS^T
+   and that part of dQ, is 0 there).
 
 Q/dO clusters (`cluster_q`: unmasked calls without varlen or seqused_k, with an even number of
 key blocks, at head dims 64 and 96): the grid is launched in clusters of two CTAs on
@@ -99,10 +98,10 @@ from .bwd_config import (
 )
 from .bwd_dq import DqPath
 from .bwd_epilogue import DkvEpilogue
-from .bwd_masks import BwdMasks
 from .bwd_keys_n import KeysNConsumer
-from .bwd_sync import BARRIER_BOTH, BARRIER_DQ_FULL, BARRIER_WG, QueryWalk
+from .bwd_masks import BwdMasks
 from .bwd_post import FlatDq
+from .bwd_sync import BARRIER_BOTH, BARRIER_DQ_FULL, BARRIER_WG, QueryWalk
 from .fwd import FlashFwdSm90, multicast, tma_view
 from .fwd_sync import tile_coords
 from .wgmma import acc_as_mma_sync, gemm, gemm_accumulate_if, probs_as_operand_a, smem_operands
