@@ -245,7 +245,7 @@ def test_backward_is_offered_on_sm80_and_on_sm90_through_the_sm80_kernels():
 def test_kernel_cache_builds_backward_configs_through_the_config_module(tmp_path, monkeypatch):
     import warnings
 
-    from cute_flash.backends.cute import KernelCache
+    from cute_flash.backends.kernel_cache import KernelCache
     from cute_flash.backends.cute_bwd import CONFIG_MODULE
 
     monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(tmp_path))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cute_flash.backends.base import AttnArgs
-from cute_flash.backends.cute import PERSISTENT_L2_BYTES, CuteSm90Backend, heads_per_section, persistent_schedule
+from cute_flash.backends.cute import CuteSm90Backend
+from cute_flash.backends.sm90_schedule import PERSISTENT_L2_BYTES, heads_per_section, persistent_schedule
 from cute_flash.kernels.sm90 import fwd_config as fc
 from cute_flash.kernels.sm90.fwd_sync import cluster_tile_coords, tile_coords
 
@@ -118,8 +119,9 @@ def test_persistent_flag_names_smem_and_table():
 
 def test_launch_extra_gives_every_sm90_kernel_its_scheduling_arguments(monkeypatch):
     import cute_flash.backends.cute as cute_backend
+    from cute_flash.backends import sm90_schedule
 
-    monkeypatch.setattr(cute_backend, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(sm90_schedule, "_num_sms", lambda device: 132)
 
     class Args:
         @staticmethod
@@ -138,8 +140,8 @@ def test_launch_extra_gives_every_sm90_kernel_its_scheduling_arguments(monkeypat
     causal_grid = fc.make_config("bfloat16", 64, 64, causal=True, persistent=False)
     causal = AttnArgs(0.1, causal=True, window_right=0)
     assert backend.launch_extra(causal_grid, q, q, causal, Args()) == (
-        ("i32", 1), ("i32", cute_backend.heads_per_section(causal_grid, q, q, causal)), None)
-    monkeypatch.setattr(cute_backend, "SECTIONED_TILE_ORDER", False)
+        ("i32", 1), ("i32", heads_per_section(causal_grid, q, q, causal)), None)
+    monkeypatch.setattr(sm90_schedule, "SECTIONED_TILE_ORDER", False)
     assert backend.launch_extra(causal_grid, q, q, causal, Args()) == (("i32", 1),) * 2 + (None,)
     config = fc.make_config("bfloat16", 128, 128)
     extra = backend.launch_extra(config, q, q, AttnArgs(0.1), Args())
@@ -168,16 +170,18 @@ def _recording_backend(backend, monkeypatch):
     TVM-FFI takes them: tensors and Python scalars), and no device context entered."""
     import contextlib
 
-    from cute_flash.backends import cute as cute_backend, split_kv
+    from cute_flash.backends import cute as cute_backend, sm90_schedule, split_kv
+    from cute_flash.backends.kernel_cache import KernelArgs
 
     calls = []
-    monkeypatch.setattr(cute_backend.KernelArgs, "context", lambda self, device: contextlib.nullcontext())
+    monkeypatch.setattr(KernelArgs, "context", lambda self, device: contextlib.nullcontext())
     monkeypatch.setattr(cute_backend, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(sm90_schedule, "_num_sms", lambda device: 132)
     monkeypatch.setattr(split_kv, "num_sms", lambda device: 132)
     monkeypatch.setattr(backend, "arch", lambda device=None: "sm_90a")
     for cache in (backend.cache, getattr(backend, "combine_cache", None)):
         if cache is not None:
-            monkeypatch.setattr(cache, "args", cute_backend.KernelArgs(tvm_ffi=True))
+            monkeypatch.setattr(cache, "args", KernelArgs(tvm_ffi=True))
             monkeypatch.setattr(cache, "get", lambda config, arch: ((lambda *a: calls.append((config, a))), None))
     return calls
 
@@ -302,7 +306,7 @@ def test_kv_cluster_launch_refuses_an_odd_number_of_query_blocks():
 
 
 def test_max_active_clusters_is_none_where_the_driver_cannot_say():
-    from cute_flash.backends.cute import max_active_clusters
+    from cute_flash.backends.sm90_schedule import max_active_clusters
 
     if torch.cuda.is_available():
         pytest.skip("a GPU answers (tests/gpu/test_fwd_sm90.py checks it)")
@@ -313,7 +317,7 @@ def test_causal_sections_divide_the_pairs_where_a_size_up_to_twice_the_budget_do
     """A last section of few pairs leaves SMs idle at the end (`even_sections`): 32 pairs of 3 MB
     (head dim 96, 2 x 8192 x 16 heads) fit 5 to the budget and take sections of 8; sizes that
     divide the pairs already, or with no divisor up to twice the budget, stay as they are."""
-    from cute_flash.backends.cute import even_sections
+    from cute_flash.backends.sm90_schedule import even_sections
 
     config = fc.make_config("bfloat16", 96, 96, causal=True)
     causal = AttnArgs(0.1, causal=True, window_right=0)
@@ -336,7 +340,7 @@ def test_causal_sections_hold_at_least_their_longest_tile_of_work_per_cta():
     (`least_causal_section`): head dim 96 at 1 x 16384 x 16 heads (86 query blocks of 192 rows,
     2 heads' K/V in the L2 budget) takes sections of 4 from 132 CTAs; the grid (no CTA count)
     keeps the budget's 2, and so do calls whose budget is the larger."""
-    from cute_flash.backends.cute import least_causal_section
+    from cute_flash.backends.sm90_schedule import least_causal_section
 
     config = fc.make_config("bfloat16", 96, 96, causal=True)
     causal = AttnArgs(0.1, causal=True, window_right=0)

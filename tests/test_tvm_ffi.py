@@ -12,18 +12,18 @@ import torch
 
 os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 
-from cute_flash.backends import cute  # noqa: E402
+from cute_flash.backends import kernel_cache  # noqa: E402
 
 
 def test_on_when_importable_unless_switched_off(monkeypatch):
     pytest.importorskip("tvm_ffi")
     monkeypatch.delenv("CUTE_FLASH_TVM_FFI", raising=False)
-    assert cute.tvm_ffi_requested()
+    assert kernel_cache.tvm_ffi_requested()
     monkeypatch.setenv("CUTE_FLASH_TVM_FFI", "1")
-    assert cute.tvm_ffi_requested()
+    assert kernel_cache.tvm_ffi_requested()
     for off in ("0", "false", "off"):
         monkeypatch.setenv("CUTE_FLASH_TVM_FFI", off)
-        assert not cute.tvm_ffi_requested()
+        assert not kernel_cache.tvm_ffi_requested()
 
 
 def _without_tvm_ffi(monkeypatch):
@@ -42,23 +42,23 @@ def _without_tvm_ffi(monkeypatch):
 def test_without_the_package_the_dsl_path_is_used(monkeypatch):
     monkeypatch.delenv("CUTE_FLASH_TVM_FFI", raising=False)
     _without_tvm_ffi(monkeypatch)
-    assert not cute.tvm_ffi_requested()
+    assert not kernel_cache.tvm_ffi_requested()
 
 
 def test_asking_without_the_package_says_what_is_missing(monkeypatch):
     monkeypatch.setenv("CUTE_FLASH_TVM_FFI", "1")
     _without_tvm_ffi(monkeypatch)
     with pytest.raises(RuntimeError, match="apache-tvm-ffi"):
-        cute.tvm_ffi_requested()
+        kernel_cache.tvm_ffi_requested()
 
 
 def test_launch_arguments_in_both_forms():
     t = torch.zeros(2, 8, 4, 16, dtype=torch.float16)
-    ffi = cute.KernelArgs(tvm_ffi=True)
+    ffi = kernel_cache.KernelArgs(tvm_ffi=True)
     assert ffi.tensor(t, 16) is t and ffi.tensor(None, 4) is None
     assert ffi.i32(3) == 3 and type(ffi.i32(3)) is int and type(ffi.f32(0.5)) is float
     assert ffi.stream() == ()
-    dsl = cute.KernelArgs(tvm_ffi=False)
+    dsl = kernel_cache.KernelArgs(tvm_ffi=False)
     assert dsl.tensor(None, 4) is None and dsl.tensor(t, 16) is not t  # a cute tensor
     from cutlass import Float32, Int32
 
@@ -89,13 +89,13 @@ def test_every_kernel_kind_compiles_caches_on_disk_and_loads(kind, tmp_path, mon
     monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(tmp_path))
     config = make(importlib.import_module(module))
     sources = ("common", "sm90") if "sm90" in kind else ("common", "sm80")
-    first = cute.KernelCache(module, sources)
+    first = kernel_cache.KernelCache(module, sources)
     assert first.tvm_ffi and first.args.tvm_ffi
     fn, source = first.get(config, arch)
     assert source == "compiled"
     files = list(tmp_path.glob("*.o"))
     assert len(files) == 1 and "-tvmffi-" in files[0].name
-    fresh = cute.KernelCache(module, sources)  # a new process, as far as the cache knows
+    fresh = kernel_cache.KernelCache(module, sources)  # a new process, as far as the cache knows
     loaded, source = fresh.get(config, arch)
     assert source == "disk"
     assert type(loaded).__module__.startswith("tvm_ffi")

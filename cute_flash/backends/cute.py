@@ -5,40 +5,20 @@ GPU's own arch) and `cute-sm90` (TMA + WGMMA, warp-specialized; compute capabili
 only in their kernel package (`kernels/sm80`, `kernels/sm90`), each of which provides a frozen
 config dataclass (`make_config`), `compile_fwd` and `shipped_configs`.
 
-Compiled kernels are cached twice:
-
-* in memory, keyed by `(config, arch)`: a frozen dataclass, so every compile-time choice is
-  part of the key and nothing else is;
-* on disk, under `CUTE_FLASH_CACHE_DIR` (default: `$XDG_CACHE_HOME/cute_flash` or
-  `~/.cache/cute_flash`), as the object file the DSL exports, named by the configuration, a
-  hash of all its fields, the arch, the DSL version and a hash of the kernel sources, so that a
-  new process loads instead of recompiling and an edited kernel never loads a stale binary.
+Compiled kernels are cached in memory and on disk, and launched through TVM-FFI or the DSL's
+own path (`kernel_cache.py`); the sm_90 forward's grid and tile order are `sm90_schedule.py`'s.
 
 Sequence lengths, batch, heads, strides, the scale and the window sizes are run-time
 arguments, so one compiled kernel serves every shape of its configuration.
-
-Launch paths. When `apache-tvm-ffi` is importable (a dependency of the package), kernels are
-compiled with `--enable-tvm-ffi`: torch tensors and Python scalars go straight to a C entry
-point and the stream is the current torch stream (TVM-FFI's environment stream). On an H200 that
-halves the host time of a call against the DSL's own Python path (about 300 -> 160 us for a
-forward through `cute_flash.forward`), where every tensor is wrapped as a cute tensor
-(`from_dlpack`) and the stream is passed explicitly. `CUTE_FLASH_TVM_FFI=0` selects the DSL's
-path, `=1` requires TVM-FFI (`KernelArgs`).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
-import hashlib
 import importlib
 import os
-import threading
 import time
-import warnings
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
@@ -47,200 +27,10 @@ from . import pack_gqa
 from .base import AttnArgs, Backend
 from .base import num_sms as _num_sms
 from .base import query_sizes
+from .kernel_cache import KernelArgs, KernelCache, cache_dir, device_arch
+from .sm90_schedule import heads_per_section, persistent_schedule
 
-_KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def cache_dir() -> Path:
-    """Where compiled kernels are kept between processes."""
-    env = os.environ.get("CUTE_FLASH_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cute_flash"
-
-
-TVM_FFI_OPTION = "--enable-tvm-ffi"
-
-
-def tvm_ffi_requested() -> bool:
-    """Whether kernels compile and launch through TVM-FFI (see the module docstring): yes when
-    `apache-tvm-ffi` is importable, unless `CUTE_FLASH_TVM_FFI=0`; `CUTE_FLASH_TVM_FFI=1`
-    makes its absence an error."""
-    setting = os.environ.get("CUTE_FLASH_TVM_FFI", "").strip().lower()
-    if setting in ("0", "false", "no", "off"):
-        return False
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError as exc:
-        if setting in ("", "auto"):
-            return False
-        raise RuntimeError(f"CUTE_FLASH_TVM_FFI={setting} needs the apache-tvm-ffi package ({exc})") from exc
-    return True
-
-
-class KernelArgs:
-    """Launch arguments for the kernels of one `KernelCache`, in the form its launch path takes:
-    cute tensors, DSL scalars and an explicit stream (the DSL's call path), or torch tensors and
-    Python scalars with the stream left to TVM-FFI's environment (kernels compiled with
-    `--enable-tvm-ffi`). `None` stays `None` (an absent optional tensor) either way."""
-
-    def __init__(self, tvm_ffi: bool):
-        self.tvm_ffi = tvm_ffi
-
-    def tensor(self, t: Optional[torch.Tensor], align: int):
-        return t if self.tvm_ffi or t is None else _as_cute(t, align)
-
-    def i32(self, x: int):
-        if self.tvm_ffi:
-            return int(x)
-        from cutlass import Int32
-
-        return Int32(x)
-
-    def f32(self, x: float):
-        if self.tvm_ffi:
-            return float(x)
-        from cutlass import Float32
-
-        return Float32(x)
-
-    def stream(self) -> tuple:
-        """The trailing stream argument: none for TVM-FFI (the kernel takes its environment
-        stream, which `context` sets), else the current torch stream of the current device."""
-        if self.tvm_ffi:
-            return ()
-        import cuda.bindings.driver as cuda
-
-        return (cuda.CUstream(torch.cuda.current_stream().cuda_stream),)
-
-    @contextlib.contextmanager
-    def context(self, device: torch.device):
-        """Around a launch: `device` current, and for TVM-FFI its environment stream set to the
-        current torch stream (graph capture and side streams included). The device is switched
-        only when it is not already the current one (the common case costs no switch)."""
-        current = torch.cuda.current_device()
-        switch = device.index is not None and device.index != current
-        with torch.cuda.device(device) if switch else contextlib.nullcontext():
-            if not self.tvm_ffi:
-                yield
-                return
-            import tvm_ffi
-
-            index = device.index if switch else current
-            with tvm_ffi.use_raw_stream(_tvm_ffi_device(index), torch.cuda.current_stream().cuda_stream):
-                yield
-
-
-@functools.lru_cache(maxsize=None)
-def _tvm_ffi_device(index: int):
-    import tvm_ffi
-
-    return tvm_ffi.device(f"cuda:{index}")
-
-
-def device_arch(device: Optional[torch.device] = None) -> str:
-    """The DSL's name for the arch of `device` (sm_80, sm_86, sm_90a, sm_100a, ...)."""
-    index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    return _arch_of(index)
-
-
-@functools.lru_cache(maxsize=None)  # read once per device, not per call
-def _arch_of(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    # Arch-specific features ("a" targets) exist from sm_90 on; an sm_80 kernel compiled for the
-    # local "a" target is still plain cp.async + mma.sync code.
-    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
-
-
-@dataclass(frozen=True)
-class _CacheKey:
-    config: object  # a frozen kernel config dataclass
-    arch: str
-
-
-class KernelCache:
-    """Compiled kernels by (config, arch): memory first, then disk, then the compiler.
-
-    `config_module` names the kernel package's config module (its `compile_fwd` builds a
-    kernel); `sources` are the folders under `kernels/` whose code the kernels are made of.
-    """
-
-    def __init__(self, config_module: str, sources: tuple):
-        self.config_module = config_module
-        self.sources = sources
-        self.tvm_ffi = tvm_ffi_requested()  # fixed for the cache's life: compile and launch agree
-        self.args = KernelArgs(self.tvm_ffi)
-        self._compiled: dict = {}
-        self._lock = threading.Lock()
-        self._digest: Optional[str] = None
-        self._disk_ok = True
-
-    def _source_digest(self) -> str:
-        import cutlass
-
-        digest = hashlib.sha256(str(getattr(cutlass, "__version__", "")).encode())
-        for sub in self.sources:
-            for path in sorted((_KERNEL_DIR / sub).glob("*.py")):
-                digest.update(path.name.encode())
-                digest.update(path.read_bytes())
-        return digest.hexdigest()[:16]
-
-    def _path(self, key: _CacheKey) -> Path:
-        if self._digest is None:
-            self._digest = self._source_digest()
-        # the name is for people; the hash of every field is what keeps two configs apart
-        fields = hashlib.sha256(repr(key.config).encode()).hexdigest()[:12]
-        ffi = "-tvmffi" if self.tvm_ffi else ""
-        return cache_dir() / f"{key.config.name}-{key.arch}{ffi}-{fields}-{self._digest}.o"
-
-    def get(self, config, arch: str):
-        """(compiled function, where it came from: "memory" | "disk" | "compiled")."""
-        key = _CacheKey(config, arch)
-        with self._lock:
-            fn = self._compiled.get(key)
-            if fn is not None:
-                return fn, "memory"
-            fn, source = self._load(key), "disk"
-            if fn is None:
-                fn, source = self._compile(key), "compiled"
-            self._compiled[key] = fn
-            return fn, source
-
-    def _load(self, key: _CacheKey):
-        path = self._path(key)
-        if not path.exists():
-            return None
-        import cutlass.runtime
-
-        try:
-            return getattr(cutlass.runtime.load_module(str(path), enable_tvm_ffi=self.tvm_ffi), "kernel")
-        except Exception as exc:  # a corrupt or foreign file: recompile and overwrite it
-            warnings.warn(f"cute_flash: ignoring unreadable cached kernel {path}: {exc}", stacklevel=3)
-            return None
-
-    def _compile(self, key: _CacheKey):
-        options = f"--gpu-arch {key.arch}" + (f" {TVM_FFI_OPTION}" if self.tvm_ffi else "")
-        fn = importlib.import_module(self.config_module).compile_fwd(key.config, options)
-        if self._disk_ok:
-            path = self._path(key)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.mkdir(exist_ok=True)
-                if self.tvm_ffi:
-                    fn.export_to_c(str(tmp / "kernel.o"), "kernel")
-                else:
-                    fn.export_to_c(str(tmp), "kernel", "kernel")
-                os.replace(tmp / "kernel.o", path)  # atomic: readers never see half a file
-                for leftover in tmp.iterdir():
-                    leftover.unlink()
-                tmp.rmdir()
-            except Exception as exc:  # e.g. a read-only cache dir: memory caching still works
-                self._disk_ok = False
-                warnings.warn(f"cute_flash: not caching kernels on disk ({exc})", stacklevel=3)
-        return fn
 
 
 def kernel_flags(args: AttnArgs) -> dict:
@@ -287,14 +77,6 @@ def _stream_key(device: torch.device) -> tuple:
         return device.type, 0
     index = cuda_index(device)
     return index, torch.cuda.current_stream(index).cuda_stream
-
-
-def _as_cute(t: Optional[torch.Tensor], align: int):
-    if t is None:
-        return None
-    from cutlass.cute.runtime import from_dlpack
-
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
 class _CuteBackend(Backend):
@@ -501,148 +283,6 @@ class CuteSm80Backend(_CuteBackend):
         if major < 8:
             return f"needs compute capability 8.0 or newer; this GPU is {major}.x"
         return None
-
-
-# K/V bytes a section of the sm_90 forward's tile order may keep in L2 (of 50 MB on an
-# H100/H200), shared with everything else in flight; and whether causal / local grids take their
-# tiles longest first across a section (False: one head at a time, for A/B).
-PERSISTENT_L2_BYTES = 16 << 20
-SECTIONED_TILE_ORDER = True
-
-
-def heads_per_section(config, q, k, args: AttnArgs, num_ctas: Optional[int] = None) -> int:
-    """The (batch, head) pairs of one section of the sm_90 forward's tile order
-    (`kernels/sm90/fwd_sync.tile_coords`): for causal and local calls, whose tiles go longest first
-    across a section, the most consecutive pairs whose K and V fit in `PERSISTENT_L2_BYTES`
-    (with `SECTIONED_TILE_ORDER`); for a causal call of `num_ctas` persistent CTAs at least
-    `least_causal_section`'s; raised to a size that divides the pairs where one up to twice that
-    does (`even_sections`). Otherwise 1, one head at a time (tiles all alike, and neighbouring
-    query blocks of a head share its K/V)."""
-    if not (SECTIONED_TILE_ORDER and (config.causal or config.local)):
-        return 1
-    num_batch, max_seqlen_q = query_sizes(q, args)
-    nheads = q.shape[-2]
-    seqlen_k = args.max_seqlen_k if args.cu_seqlens_k is not None else k.shape[1]
-    group = nheads // k.shape[-2]
-    kv_bytes_per_head = max(1, seqlen_k * (config.head_dim + config.head_dim_v) * q.element_size() // group)
-    pairs = nheads * num_batch
-    fit = PERSISTENT_L2_BYTES // kv_bytes_per_head
-    if config.causal and num_ctas is not None:
-        fit = max(fit, least_causal_section(num_ctas, -(-max_seqlen_q // config.tile_m)))
-    return even_sections(pairs, max(1, min(pairs, fit)))
-
-
-def least_causal_section(num_ctas: int, num_m_blocks: int) -> int:
-    """The fewest (batch, head) pairs of a causal section whose work per CTA is at least its
-    longest tile: query block i of a head sees about i + 1 key blocks, so a section of p pairs
-    holds p * M * (M + 1) / 2 blocks of work, M of them in its longest tiles. With fewer, the
-    CTAs that take the last section's longest tiles finish well after the others. On an H200
-    (bf16, causal, head dim 96: 192-row blocks, 6 MB of K/V per head at 16k keys, so 2 fit the L2
-    budget; the section size set by hand, outputs bitwise equal, three rounds, medians, TFLOP/s):
-    1 x 16384 x 16 heads 577.5 with sections of 2, 600.0 of 4 (this rule), 602.9 of 8
-    (flash-attn-4 585.5); 21 heads 579.9 of 3, 599.5 of 7 (the rule's 4 raised to divide 21;
-    582.1); 1 x 32768 x 16 601.1 of 1, 613.0 of 2 (the rule), 611.4 of 4 (600.1). Twice this many
-    measured within the rounds' spread, up or down, at 2k-16k keys (head dim 64 8 x 2048 400.9
-    against 392.5, 2 x 8192 485.6 against 475.3, 1 x 16384 498.6 against 500.0; 96 8 x 2048 420.0
-    against 430.2; 128 8 x 2048 517.0 against 525.7; five rounds), so the rule stops at one."""
-    return -(-2 * num_ctas // (num_m_blocks + 1))
-
-
-@functools.lru_cache(maxsize=1024)
-def even_sections(pairs: int, fit: int) -> int:
-    """The smallest section size from `fit` up to 2 * `fit` that divides `pairs`, else `fit`.
-
-    The tile order walks the sections one after the other, each longest first, so a last section
-    of few pairs has too few long tiles to keep every SM busy at the end while its longest ones
-    run. On an H200 (bf16, causal, head dim 96, 2 x 8192 x 16 heads: 32 pairs of 3 MB of K/V, so
-    5 fit the budget, leaving a last section of 2) the SMs were active 87.7% of the kernel's
-    cycles (Nsight Compute; flash-attn-4 99.1%), and sections of 8 ran 560.2 TFLOP/s against
-    508.4 (three rounds, the outputs bitwise equal; flash-attn-4 about 556). The only other shape
-    of those tried that this changes, head dim 96 at 8 x 2048 (sections of 32 instead of 21 of
-    128 pairs), measured 409.1 against 418.6, within its rounds' spread (406.8-434.2). Sections
-    of up to twice the budget still fit the 50 MB of L2; one section of every pair measured 5-11%
-    slower at the other shapes tried (head dims 64, 96, 128 and 256 at 2k-8k;
-    `benchmarks/results/nvidia-h200-2026-12-02-causal-sections.md`)."""
-    for size in range(fit, min(pairs, 2 * fit) + 1):
-        if pairs % size == 0:
-            return size
-    return fit
-
-
-# An empty kernel for `max_active_clusters`: the driver JIT-compiles it in a few milliseconds.
-_EMPTY_KERNEL_PTX = b""".version 7.8
-.target sm_90
-.address_size 64
-.visible .entry cute_flash_empty() { ret; }
-\0"""
-
-
-@functools.lru_cache(maxsize=None)
-def max_active_clusters(device_index: int, cluster_size: int, threads: int, smem_bytes: int) -> Optional[int]:
-    """How many clusters of `cluster_size` CTAs, each of `threads` threads and `smem_bytes` of
-    shared memory, the GPU runs at once (`cuOccupancyMaxActiveClusters` on an empty kernel of
-    that shape: a cluster's CTAs share one GPC, so this can be less than SMs // cluster_size);
-    None where the driver cannot say."""
-    from cuda.bindings import driver
-
-    def ok(result):
-        if result[0] != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(str(result[0]))
-        return result[1] if len(result) > 1 else None
-
-    try:
-        ok(driver.cuInit(0))
-        device = ok(driver.cuDeviceGet(device_index))
-        # the device's primary context (torch's), current on this thread for the calls below
-        ok(driver.cuCtxPushCurrent(ok(driver.cuDevicePrimaryCtxRetain(device))))
-        try:
-            module = ok(driver.cuModuleLoadData(_EMPTY_KERNEL_PTX))
-            try:
-                kernel = ok(driver.cuModuleGetFunction(module, b"cute_flash_empty"))
-                ok(driver.cuFuncSetAttribute(
-                    kernel, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes))
-                config = driver.CUlaunchConfig()
-                config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
-                config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-                config.sharedMemBytes = smem_bytes
-                attr = driver.CUlaunchAttribute()
-                attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-                value = driver.CUlaunchAttributeValue()
-                value.clusterDim.x, value.clusterDim.y, value.clusterDim.z = cluster_size, 1, 1
-                attr.value = value
-                config.attrs, config.numAttrs = [attr], 1
-                clusters = ok(driver.cuOccupancyMaxActiveClusters(kernel, config))
-            finally:
-                driver.cuModuleUnload(module)
-        finally:
-            driver.cuCtxPopCurrent()
-            driver.cuDevicePrimaryCtxRelease(device)
-    except (RuntimeError, ImportError, AttributeError):
-        return None
-    return int(clusters) if clusters else None
-
-
-def persistent_schedule(config, q, k, args: AttnArgs, num_sms: Optional[int] = None,
-                        num_clusters: Optional[int] = None) -> tuple:
-    """(CTAs, heads per section) of a persistent sm_90 forward call: one CTA per SM, never more
-    than the tiles, and `heads_per_section`. With `cluster_kv` the CTAs come in pairs (a cluster
-    takes two tiles at a time), as many pairs as the GPU runs at once (`num_clusters`; by default
-    `max_active_clusters`, or num_sms // 2 where the driver cannot say): a pair that had to wait
-    for a free one would walk its fixed share of the tiles after the others are done."""
-    num_batch, max_seqlen_q = query_sizes(q, args)
-    tiles = -(-max_seqlen_q // config.tile_m) * q.shape[-2] * num_batch
-    clustered = getattr(config, "cluster_kv", False)
-    if num_sms is None:
-        num_sms = _num_sms(q.device)
-        if clustered and num_clusters is None and q.is_cuda:
-            index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-            num_clusters = max_active_clusters(index, 2, config.num_threads, config.smem_bytes)
-    if clustered:
-        pairs = min(num_sms // 2, num_clusters or num_sms // 2)
-        ctas = 2 * max(1, min(tiles // 2, pairs))
-    else:
-        ctas = max(1, min(tiles, num_sms))
-    return ctas, heads_per_section(config, q, k, args, ctas)
 
 
 class CuteSm90Backend(_CuteBackend):

@@ -33,7 +33,8 @@ from typing import Optional
 import torch
 
 from .base import AttnArgs, query_sizes
-from .cute import _DTYPE_NAMES, KernelCache, cuda_index, kernel_flags
+from .cute import _DTYPE_NAMES, cuda_index, kernel_flags
+from .kernel_cache import KernelCache
 
 CONFIG_MODULE = "cute_flash.kernels.sm80.bwd_config"
 SM90_CONFIG_MODULE = "cute_flash.kernels.sm90.bwd_config"

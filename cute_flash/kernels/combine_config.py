@@ -131,8 +131,8 @@ def fake_arguments(config: CombineConfig) -> tuple:
 
 
 def compile_fwd(config: CombineConfig, options: str = "--gpu-arch sm_80"):
-    """cute.compile the combine of `config` (named for `backends.cute.KernelCache`, which compiles
-    every kernel of the forward pass through its config module's `compile_fwd`)."""
+    """cute.compile the combine of `config` (named for `backends.kernel_cache.KernelCache`, which
+    compiles every kernel of the forward pass through its config module's `compile_fwd`)."""
     import cutlass.cute as cute
 
     from .common.fake_tensors import fake_stream

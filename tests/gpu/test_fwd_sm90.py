@@ -478,7 +478,7 @@ def test_sm90_fwd_long_causal_calls_take_kv_clusters_and_match_oracle(d, seqlen_
 def test_sm90_fwd_kv_cluster_grid_is_as_many_pairs_as_the_gpu_runs_at_once():
     """The persistent cluster grid asks the driver how many clusters of two CTAs of the kernel's
     shape fit at once (`max_active_clusters`), at most one CTA per SM, and launches no more."""
-    from cute_flash.backends.cute import max_active_clusters, persistent_schedule
+    from cute_flash.backends.sm90_schedule import max_active_clusters, persistent_schedule
 
     backend = _backend()
     q = torch.empty(2, 6144, 16, 128, dtype=torch.bfloat16, device="cuda")  # 32 blocks of 192 rows

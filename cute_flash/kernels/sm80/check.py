@@ -16,7 +16,8 @@ import time
 import torch
 
 from ...backends.base import AttnArgs
-from ...backends.cute import CuteSm80Backend, device_arch, warmup
+from ...backends.cute import CuteSm80Backend, warmup
+from ...backends.kernel_cache import device_arch
 from ...backends.reference import reference_attention
 
 SMOKE = [
