@@ -1,8 +1,8 @@
 """CuTe DSL device code: one kernel class per arch and direction, shared helpers in `common`.
 A kernel class too long to read in one sitting takes its parts from mixins in sibling modules,
 one part each (the sm_90 backward: `bwd_dq`, `bwd_masks`, `bwd_epilogue`, `bwd_keys_n`; the
-sm_90 forward: `fwd_persistent`), and the named barriers and the order of the work that its
-roles share are in `bwd_sync` / `fwd_sync`.
+sm_90 forward: `fwd_persistent`, `fwd_halves`), and the named barriers and the order of the work
+that its roles share are in `bwd_sync` / `fwd_sync`.
 
 Naming (CuTe's convention, used everywhere in this package):
 
