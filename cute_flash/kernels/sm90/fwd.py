@@ -683,9 +683,7 @@ class FlashFwdSm90(PersistentTiles, MaskedHalvesPath, TimelineCounters):
         if cutlass.const_expr(cfg.intra_wg_overlap):
             pipeline_v.consumer_wait(kv)
             gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False)
-        if cutlass.const_expr(cfg.pingpong):
-            next_wg = (wg_idx + 1) % cfg.num_consumer_wgs
-            cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG + next_wg, number_of_threads=256)
+        self.pass_turn(wg_idx)
         tick = self.tick(phases, 2, tick)
         warpgroup.wait_group(1 if cutlass.const_expr(cfg.intra_wg_overlap) else 0)  # S is in
         tick = self.tick(phases, 3, tick)
