@@ -672,13 +672,7 @@ class FlashBwdSm90(KeysNConsumer, DqPath, BwdMasks, DkvEpilogue, TimelineCounter
             pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
             self.stamp(stamps, 1)
             rows_k = seqlen.seqlen_k - n_block * cfg.tile_n
-            if cutlass.const_expr(cfg.seqused_k or cfg.varlen_k):
-                if rows_k < cfg.tile_n:
-                    self.zero_kv_tail(sK, sV, rows_k, ctidx, wg_idx)
-
-            offset = seqlen.seqlen_k - seqlen.seqlen_q
-            n_lo = n_block * cfg.tile_n
-            stat_query = self.stat_row(thr_query, seqlen)
+            offset, n_lo, stat_query = self.walk_start(sK, sV, rows_k, seqlen, n_block, thr_query, ctidx, wg_idx)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
             # with `dk_after_dq` a stage is released one block late, once its dK GEMM is done
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)

@@ -64,6 +64,17 @@ class BwdMasks:
         )
 
     @cute.jit
+    def walk_start(self, sK, sV, rows_k, seqlen: SeqlenInfo, n_block, thr_query, ctidx, wg_idx) -> tuple:
+        """A consumer's start of its walk, K and V in shared memory: their rows at or past `rows_k`
+        zeroed where a key sequence may end inside the tile (`seqused_k`, varlen keys), and
+        (seqlen_k - seqlen_q, the CTA's first key, this thread's first row of the LSE / D buffers)."""
+        cfg = self.cfg
+        if cutlass.const_expr(cfg.seqused_k or cfg.varlen_k):
+            if rows_k < cfg.tile_n:
+                self.zero_kv_tail(sK, sV, rows_k, ctidx, wg_idx)
+        return seqlen.seqlen_k - seqlen.seqlen_q, n_block * cfg.tile_n, self.stat_row(thr_query, seqlen)
+
+    @cute.jit
     def stat_row(self, thr_query, seqlen: SeqlenInfo):
         """This thread's first query in the LSE / D buffers, which start `offset_q % STAT_ALIGN`
         rows early in a varlen batch (`stat_block`)."""
